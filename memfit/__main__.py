@@ -1,0 +1,3 @@
+from memfit.cli.app import main
+
+main()

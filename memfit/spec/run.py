@@ -1,0 +1,198 @@
+"""One typed description of a run: model, hardware, data, the chosen optimizations and the schedule.
+
+``memfit plan --emit`` writes it, ``memfit train`` and ``memfit measure`` read it. The run file is YAML
+with these sections; unknown keys are errors. Two convenience sections map onto strategy keys:
+``lora: {r, alpha, dropout, targets}`` → ``strategy.lora_*`` and
+``meft: {neurons, top_k, experts, n_probe}`` → ``strategy.meft_*`` (so ``--set lora.r=32`` works too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from memfit.errors import ConfigError
+from memfit.spec.strategy import Strategy
+
+DataFormat = Literal["auto", "prompt_completion", "dialogue_summary", "chat", "text"]
+
+
+class DataSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Optional[str] = Field(None, description="JSONL file or datasets folder; null = embedded demo data")
+    format: DataFormat = "auto"
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    packing: bool = False
+    max_samples: Optional[int] = Field(None, ge=1)
+
+
+class TrainingSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_steps: int = Field(30, ge=1)
+    epochs: Optional[float] = Field(None, gt=0)
+    learning_rate: float = Field(2e-4, gt=0)
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    eval_interval: int = Field(0, ge=0, description="steps between evaluations; 0 = only at the end")
+    checkpoint_interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    logging_interval: int = Field(1, ge=1)
+    seed: int = 0
+
+
+class DistributedSpec(BaseModel):
+    """How processes are laid out; the sharding engine itself is chosen in ``strategy``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nproc: int = Field(1, ge=1, description="processes (devices) per node")
+    nodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, ge=1, le=65535)
+    reduce_bucket_size: Optional[int] = Field(None, ge=1)
+    allgather_bucket_size: Optional[int] = Field(None, ge=1)
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(..., description="preset name, model folder, or path to a config.json")
+    hardware: str = Field("local", description="'local' or a pool such as '2xRTX3090-24GB'")
+    cpu_ram: Optional[str] = Field(None, description="CPU RAM of a node, e.g. '128GB'; default: detect/catalog")
+    data: DataSpec = DataSpec()
+    strategy: Strategy = Strategy()
+    training: TrainingSpec = TrainingSpec()
+    distributed: DistributedSpec = DistributedSpec()
+    output_dir: str = "runs/memfit"
+
+
+_SECTION_ALIASES = {
+    "lora": {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "lora_targets"},
+    "meft": {"neurons": "meft_neurons", "top_k": "meft_top_k", "experts": "meft_experts", "n_probe": "meft_n_probe"},
+}
+_TOP_LEVEL_SHORTCUTS = {"max_steps": "training.max_steps", "seed": "training.seed",
+                        "learning_rate": "training.learning_rate", "method": "strategy.method"}
+
+
+def _fold_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    raw = dict(raw)
+    strategy = dict(raw.get("strategy") or {})
+    for section, keys in _SECTION_ALIASES.items():
+        if section not in raw:
+            continue
+        values = raw.pop(section)
+        if not isinstance(values, dict):
+            raise ConfigError(f"run file: section '{section}' must be a mapping of {sorted(keys)}")
+        for key, value in values.items():
+            if key not in keys:
+                raise ConfigError(
+                    f"run file: unknown key '{section}.{key}'; allowed: {', '.join(sorted(keys))}"
+                )
+            strategy[keys[key]] = value
+    for short, dotted in _TOP_LEVEL_SHORTCUTS.items():
+        if short in raw:
+            section, key = dotted.split(".")
+            raw.setdefault(section, {})
+            raw[section] = {**raw[section], key: raw.pop(short)}
+    raw["strategy"] = {**(raw.get("strategy") or {}), **strategy}
+    return raw
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars/lists) to a raw run dict."""
+    raw = _fold_aliases(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set strategy.lora_r=32")
+        dotted, text = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) == 2 and parts[0] in _SECTION_ALIASES:
+            alias = _SECTION_ALIASES[parts[0]]
+            if parts[1] not in alias:
+                raise ConfigError(f"--set {dotted}: unknown key; allowed: "
+                                  + ", ".join(f"{parts[0]}.{k}" for k in sorted(alias)))
+            parts = ["strategy", alias[parts[1]]]
+        elif len(parts) == 1 and parts[0] in _TOP_LEVEL_SHORTCUTS:
+            parts = _TOP_LEVEL_SHORTCUTS[parts[0]].split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = _parse_value(text)
+    return raw
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One readable line per problem: where, what, and what is allowed."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see the README's run file reference)"
+        lines.append(f"{source}: {loc or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def run_from_dict(raw: dict[str, Any], overrides: list[str] = (), source: str = "run file") -> RunSpec:
+    raw = apply_overrides(raw or {}, list(overrides))
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_run(path: str | Path, overrides: list[str] = ()) -> RunSpec:
+    """Read and validate a YAML run file; every mistake becomes a ConfigError naming the field."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run file {path} not found; write one or use `memfit plan ... --emit DIR`")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the run file must be a mapping of sections (model, data, strategy, ...)")
+    return run_from_dict(raw, overrides, source=str(path))
+
+
+def dump_run(run: RunSpec) -> str:
+    """The run file text for ``run`` (round-trips through ``load_run``)."""
+    import yaml
+
+    data = run.model_dump(mode="json")
+    data["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def save_run(run: RunSpec, path: str | Path) -> Path:
+    """Write the run file atomically."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-", suffix=".yaml")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(dump_run(run))
+    os.replace(tmp, path)
+    return path

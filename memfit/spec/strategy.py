@@ -1,0 +1,103 @@
+"""The chosen optimizations of a run: one flat, validated object shared by plan, train and measure.
+
+The keys are the contract of ``memfit estimate --json``'s ``strategy`` object and of the run file's
+``strategy`` section, so ``--set strategy.gradient_checkpointing=true`` means the same everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Method = Literal["full", "lora", "qlora", "meft"]
+Attention = Literal["eager", "sdpa", "fa2"]
+Fsdp = Union[Literal[False], Literal["full_shard", "shard_grad_op"]]
+Offload = Literal["none", "optimizer", "optimizer+params"]
+Optimizer = Literal["adamw", "adamw8bit", "sgd"]
+Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
+QuantStorage = Literal["uint8", "bf16", "fp16", "fp32"]
+
+METHODS: tuple[str, ...] = ("full", "lora", "qlora", "meft")
+ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "sgd")
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
+FSDP_MODES: tuple[str, ...] = ("full_shard", "shard_grad_op")
+
+DEFAULT_LORA_TARGETS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
+
+class Strategy(BaseModel):
+    """Every lever memfit can pull, with defaults a PEFT/TRL user would expect."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Method = "lora"
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0 = plain DDP")
+    fsdp: Fsdp = False
+    offload: Offload = "none"
+    gradient_checkpointing: bool = False
+    attention: Attention = "sdpa"
+    optimizer: Optimizer = "adamw"
+    precision: Precision = "bf16-mixed"
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(512, ge=1)
+    # LoRA / QLoRA adapter
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    # QLoRA base-model quantisation (NF4)
+    quant_storage: QuantStorage = "uint8"
+    double_quant: bool = True
+    # MEFT sparse adapter (see memfit.meft)
+    meft_neurons: int = Field(8192, ge=1)
+    meft_top_k: int = Field(64, ge=1)
+    meft_experts: Union[int, Literal["auto"]] = "auto"
+    meft_n_probe: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> "Strategy":
+        if self.fsdp and self.zero_stage:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} and fsdp={self.fsdp!r} are two sharding engines; "
+                "choose one (set zero_stage=0 to use FSDP, or fsdp=false to use DeepSpeed)"
+            )
+        if self.offload == "optimizer+params" and not (self.zero_stage == 3 or self.fsdp == "full_shard"):
+            raise ValueError(
+                "offload='optimizer+params' needs parameters sharded: use zero_stage=3 or "
+                "fsdp='full_shard' (or offload='optimizer')"
+            )
+        if self.offload != "none" and not (self.zero_stage or self.fsdp):
+            raise ValueError(
+                f"offload={self.offload!r} is done by DeepSpeed ZeRO or FSDP: set zero_stage>=1 "
+                "or fsdp, or use offload='none'"
+            )
+        if self.meft_experts != "auto" and self.meft_experts < 1:
+            raise ValueError("meft_experts must be 'auto' or a positive integer")
+        return self
+
+    @property
+    def engine(self) -> str:
+        """'ddp', 'zero1'..'zero3', or 'fsdp-full_shard' / 'fsdp-shard_grad_op'."""
+        if self.fsdp:
+            return f"fsdp-{self.fsdp}"
+        return f"zero{self.zero_stage}" if self.zero_stage else "ddp"
+
+    @property
+    def trains_adapter(self) -> bool:
+        return self.method in ("lora", "qlora", "meft")
+
+    def label(self) -> str:
+        """A short human name, e.g. 'lora+zero2+gc+sdpa'."""
+        parts = [self.method, self.engine]
+        if self.gradient_checkpointing:
+            parts.append("gc")
+        parts.append(self.attention)
+        if self.offload != "none":
+            parts.append(f"offload:{self.offload}")
+        return "+".join(parts)
