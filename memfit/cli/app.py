@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-import click
 import typer
 
 from memfit.errors import MemfitError
@@ -19,6 +18,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Make LLM fine-tuning fit the hardware you have, and prove it with measurements."""
+
+
 @app.command()
 def version() -> None:
     """Print memfit's version."""
@@ -29,9 +33,9 @@ def version() -> None:
 
 def _register_commands() -> None:
     # Each module adds its commands; they import heavy libraries (torch) only inside the commands.
-    from memfit.cli import plan_cmds, train_cmds, measure_cmds
+    from memfit.cli import launch_cmds, measure_cmds, plan_cmds, train_cmds
 
-    for module in (plan_cmds, train_cmds, measure_cmds):
+    for module in (plan_cmds, train_cmds, launch_cmds, measure_cmds):
         module.register(app)
 
 
@@ -40,20 +44,14 @@ _register_commands()
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
-        rv = app(args=list(argv) if argv is not None else None, standalone_mode=False)
+        # standalone mode: typer prints usage errors itself and exits 2.
+        app(args=list(argv) if argv is not None else None)
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":
