@@ -1,0 +1,1 @@
+"""Sharded and multi-process training: DeepSpeed ZeRO / FSDP configuration, launch, pre-flight checks."""
