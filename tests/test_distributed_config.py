@@ -1,0 +1,69 @@
+"""The engines' configs built from a run (pure Python: no torch, no processes)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from memfit.distributed.config import accelerate_config, deepspeed_config, fsdp_trainer_config
+from memfit.spec.run import run_from_dict
+
+
+def _run(**strategy):
+    return run_from_dict({"model": "llama-2-7b", "strategy": {"micro_batch_size": 2, "grad_accum": 4, **strategy},
+                          "distributed": {"nproc": 4, "nodes": 2, "node_rank": 1, "master_addr": "10.0.0.1"}})
+
+
+def test_zero2_offload_config():
+    cfg = deepspeed_config(_run(zero_stage=2, offload="optimizer"), hidden_size=64)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 2 and z["reduce_bucket_size"] == 64 * 64
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True} and "offload_param" not in z
+    assert cfg["train_batch_size"] == 2 * 4 * 8 and cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert cfg["optimizer"]["type"] == "AdamW"  # DeepSpeed's 32-bit CPU AdamW on GPU
+    cpu = deepspeed_config(_run(zero_stage=2, offload="optimizer"), device="cpu")
+    assert "optimizer" not in cpu and cpu["zero_force_ds_cpu_optimizer"] is False
+    assert cpu["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
+def test_zero3_params_offload_gathers_on_save():
+    z = deepspeed_config(_run(zero_stage=3, offload="optimizer+params"))["zero_optimization"]
+    assert z["offload_param"]["device"] == "cpu" and z["stage3_gather_16bit_weights_on_model_save"]
+    assert "allgather_bucket_size" not in z
+
+
+def test_bucket_sizes_from_run():
+    run = run_from_dict({"model": "x", "strategy": {"zero_stage": 1},
+                         "distributed": {"reduce_bucket_size": 1000, "allgather_bucket_size": 2000}})
+    z = deepspeed_config(run)["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["allgather_bucket_size"]) == (1000, 2000)
+
+
+def test_accelerate_config_multinode_deepspeed():
+    cfg = accelerate_config(_run(zero_stage=3), deepspeed_config_file="deepspeed.json")
+    assert cfg["distributed_type"] == "DEEPSPEED" and cfg["num_processes"] == 8
+    assert cfg["num_machines"] == 2 and cfg["machine_rank"] == 1 and cfg["main_process_ip"] == "10.0.0.1"
+    assert cfg["deepspeed_config"] == {"deepspeed_config_file": "deepspeed.json", "zero3_init_flag": True}
+
+
+@pytest.mark.parametrize("mode, reshard", [("full_shard", True), ("shard_grad_op", False)])
+def test_fsdp_configs(mode, reshard):
+    run = _run(fsdp=mode, method="qlora", quant_storage="bf16")
+    f = fsdp_trainer_config(run)
+    assert f["version"] == 2 and f["reshard_after_forward"] is reshard and f["cpu_ram_efficient_loading"]
+    a = accelerate_config(run)
+    assert a["distributed_type"] == "FSDP" and a["fsdp_config"]["fsdp_reshard_after_forward"] is reshard
+    assert a["mixed_precision"] == "bf16"
+
+
+def test_ddp_cpu_and_errors():
+    run = run_from_dict({"model": "x", "strategy": {"precision": "fp32"}, "distributed": {"nproc": 2}})
+    assert accelerate_config(run, device="cpu")["distributed_type"] == "MULTI_CPU"
+    with pytest.raises(ValueError, match="zero_stage"):
+        deepspeed_config(run)
+
+
+def test_config_module_does_not_import_torch():
+    code = "import sys, memfit.distributed.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
