@@ -1,9 +1,297 @@
-"""CLI commands for the plan side (registered by memfit.cli.app)."""
+"""CLI commands for the plan side: ``estimate``, ``plan`` and ``matrix`` (registered by memfit.cli.app).
+
+Thin: parse flags, call memfit.estimate / memfit.plan, format with memfit.cli.plan_view. No torch.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+
+from memfit.errors import ConfigError
+
+M = "Model and hardware"
+S = "Strategy (one flag per key)"
+P = "Search"
+O = "Output"
+
+ModelOpt = typer.Option(..., "--model", "-m", help="Preset name, model folder, or config.json.", rich_help_panel=M)
+GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, or 'local'.",
+                       rich_help_panel=M)
+CpuRamOpt = typer.Option(None, "--cpu-ram", help="CPU RAM per node, e.g. 128GB (default: catalog/detected).",
+                         rich_help_panel=M)
+NodesOpt = typer.Option(None, "--nodes", help="Nodes of the pool (same as 2x8xGPU).", rich_help_panel=M)
+MarginOpt = typer.Option(0.05, "--margin", help="Fraction of GPU memory and CPU RAM kept free.", rich_help_panel=M)
+ProfileOpt = typer.Option(None, "--profile", help="Calibrated constants (JSON from `memfit calibrate`).",
+                          rich_help_panel=M)
+JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O)
+
+
+def _strategy_options() -> dict[str, Any]:
+    return dict(
+        method=typer.Option(None, "--method", help="full | lora | qlora | meft", rich_help_panel=S),
+        zero=typer.Option(None, "--zero", help="DeepSpeed ZeRO stage 0 (DDP) | 1 | 2 | 3", rich_help_panel=S),
+        fsdp=typer.Option(None, "--fsdp", help="false | full_shard | shard_grad_op", rich_help_panel=S),
+        offload=typer.Option(None, "--offload", help="none | optimizer | optimizer+params", rich_help_panel=S),
+        gradient_checkpointing=typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                            help="Recompute activations in backward.", rich_help_panel=S),
+        attention=typer.Option(None, "--attention", help="eager | sdpa | fa2", rich_help_panel=S),
+        optimizer=typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd", rich_help_panel=S),
+        precision=typer.Option(None, "--precision", help="fp32 | fp16-mixed | bf16-mixed | bf16 "
+                               "(default: bf16-mixed where supported, else fp16-mixed; fp32 on CPU)",
+                               rich_help_panel=S),
+        lora_r=typer.Option(None, "--lora-r", help="LoRA rank.", rich_help_panel=S),
+        lora_alpha=typer.Option(None, "--lora-alpha", help="LoRA alpha.", rich_help_panel=S),
+        lora_targets=typer.Option(None, "--lora-targets", help="Comma-separated module names "
+                                  "(default: attention+MLP linears of the model).", rich_help_panel=S),
+        quant_storage=typer.Option(None, "--quant-storage", help="QLoRA storage dtype uint8|bf16|fp16|fp32 "
+                                   "(default: the parameter dtype under ZeRO-3/FSDP, else uint8).",
+                                   rich_help_panel=S),
+        meft_neurons=typer.Option(None, "--meft-neurons", help="MEFT key-value pairs per layer.", rich_help_panel=S),
+        meft_top_k=typer.Option(None, "--meft-top-k", help="MEFT active neurons per token.", rich_help_panel=S),
+    )
+
+
+def _fixed_keys(**flags: Any) -> dict[str, Any]:
+    """The strategy keys the user gave, in Strategy's names."""
+    names = {"zero": "zero_stage"}
+    keys: dict[str, Any] = {}
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        key = names.get(flag, flag)
+        if key == "fsdp":
+            value = False if str(value).lower() in ("false", "no", "0", "none", "off") else value
+        if key == "lora_targets":
+            value = tuple(t.strip() for t in value.split(",") if t.strip())
+            if not value:
+                raise ConfigError("--lora-targets: give comma-separated module names, e.g. q_proj,v_proj")
+        keys[key] = value
+    return keys
+
+
+def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated integers, e.g. 256,512,1024") from None
+    if not values:
+        raise ConfigError(f"{flag}: give at least one value")
+    return values
+
+
+def _str_list(text: Optional[str]) -> Optional[list[str]]:
+    return None if text is None else [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ConfigError(f"{name} {value}: must be a positive integer")
+    return value
+
+
+def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Optional[int],
+          profile: Optional[Path]) -> tuple[Any, Any, Any]:
+    from memfit.spec.hardware import parse_hardware
+    from memfit.spec.model import resolve_model
+
+    if nodes is not None and nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: must be a positive integer")
+    spec = resolve_model(model)
+    hw = parse_hardware(gpus or "local", cpu_ram=cpu_ram, nodes=nodes)
+    prof = None
+    if profile is not None:
+        from memfit.estimate.constants import Profile
+
+        prof = Profile.load(profile)
+    return spec, hw, prof
+
+
+def estimate_cmd(
+    model: str = ModelOpt, gpus: Optional[str] = GpusOpt, cpu_ram: Optional[str] = CpuRamOpt,
+    nodes: Optional[int] = NodesOpt,
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence.", rich_help_panel=S),
+    batch_size: int = typer.Option(1, "--batch-size", help="Micro-batch per GPU.", rich_help_panel=S),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Gradient accumulation steps.", rich_help_panel=S),
+    margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    **strategy_flags: Any,
+) -> None:
+    """Estimate per-GPU memory, CPU RAM and step time of ONE combination."""
+    from memfit.cli import plan_view
+    from memfit.plan.single import estimate_one
+
+    spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
+    keys = _fixed_keys(**strategy_flags)
+    keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
+    result = estimate_one(spec, hw, keys, margin=margin, profile=prof)
+    if json_:
+        plan_view.print_json(result.to_dict())
+    else:
+        plan_view.show_estimate(result, hw)
+
+
+def plan_cmd(
+    model: str = ModelOpt, gpus: Optional[str] = GpusOpt, cpu_ram: Optional[str] = CpuRamOpt,
+    nodes: Optional[int] = NodesOpt,
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence.", rich_help_panel=S),
+    batch_size: int = typer.Option(1, "--batch-size", help="Micro-batch per GPU.", rich_help_panel=S),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Gradient accumulation steps.", rich_help_panel=S),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Methods to search, e.g. full,lora "
+                                          "(default: full,lora,qlora,meft).", rich_help_panel=P),
+    zero_stages: Optional[str] = typer.Option(None, "--zero-stages", help="Only these DeepSpeed stages "
+                                              "(0 = DDP), no FSDP, e.g. 2,3.", rich_help_panel=P),
+    no_offload: bool = typer.Option(False, "--no-offload", help="Never offload to CPU.", rich_help_panel=P),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Search the GPU count: one GPU kind, e.g. "
+                                      "RTX3090-24GB (with --max-gpus).", rich_help_panel=P),
+    max_gpus: int = typer.Option(8, "--max-gpus", help="Largest GPU count tried with --gpu.", rich_help_panel=P),
+    gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price", help="Price per GPU-hour.",
+                                                   rich_help_panel=P),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens to train on (for total time).",
+                                         rich_help_panel=P),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (for total time).",
+                                        rich_help_panel=P),
+    top: int = typer.Option(8, "--top", help="Candidates shown in the table.", rich_help_panel=O),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="Write run.yaml (+ deepspeed.json or "
+                                        "accelerate.yaml) for the recommendation into this folder.",
+                                        rich_help_panel=O),
+    margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    **strategy_flags: Any,
+) -> None:
+    """Try every combination of levers and recommend the fastest that fits (or search the GPU count)."""
+    from memfit.cli import plan_view
+    from memfit.plan.search import plan
+
+    if gpu is not None and gpus is not None:
+        raise ConfigError("--gpu (search the count) and --gpus (a fixed pool) both given; give one")
+    fixed = _fixed_keys(**strategy_flags)
+    kwargs = dict(methods=_str_list(methods), zero_stages=_int_list(zero_stages, "--zero-stages"),
+                  allow_offload=not no_offload, seq_len=seq_len, micro_batch_size=batch_size,
+                  grad_accum=grad_accum, margin=margin, fixed=fixed)
+    if gpu is not None:
+        from memfit.plan.gpu_count import gpu_count_search
+        from memfit.spec.model import resolve_model
+
+        spec = resolve_model(model)
+        prof = _load(model, "local", None, None, profile)[2] if profile else None
+        result = gpu_count_search(spec, gpu, max_gpus=max_gpus, cpu_ram=cpu_ram, price=gpu_hour_price,
+                                  tokens=tokens, steps=steps, profile=prof, **kwargs)
+        written = _emit(emit, result.best.recommended, spec, model, result.best.plan.hardware, cpu_ram) \
+            if emit is not None and result.best is not None else []
+        if json_:
+            plan_view.print_json({**result.to_dict(), "emitted": [str(p) for p in written]})
+        else:
+            plan_view.show_gpu_count(result, written)
+        return
+    spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
+    result = plan(spec, hw, profile=prof, **kwargs)
+    written = []
+    if emit is not None:
+        if result.recommended is None:
+            raise ConfigError(f"--emit {emit}: nothing fits, so there is nothing to write; see `memfit plan` "
+                              "without --emit for what is closest")
+        written = _emit(emit, result.recommended, spec, model, hw, cpu_ram)
+    if json_:
+        out = result.to_dict()
+        if written:
+            out["emitted"] = [str(p) for p in written]
+        plan_view.print_json(out)
+    else:
+        plan_view.show_plan(result, top=top, emitted=written)
+
+
+def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Optional[str]) -> list[Path]:
+    from memfit.plan.emit import emit
+
+    return emit(out, est.strategy, model=spec, model_ref=model_ref, hardware=hw, cpu_ram=cpu_ram)
+
+
+def matrix_cmd(
+    gpus: str = typer.Option(..., "--gpus", help="GPU pool, e.g. 8xV100-32GB.", rich_help_panel=M),
+    cpu_ram: Optional[str] = CpuRamOpt, nodes: Optional[int] = NodesOpt,
+    models: Optional[str] = typer.Option(None, "--models", help="Comma-separated presets/folders "
+                                         "(default: llama-2-7b,llama-2-13b,llama-2-70b,falcon-180b).",
+                                         rich_help_panel=P),
+    seq_lens: Optional[str] = typer.Option(None, "--seq-lens", help="Comma-separated sequence lengths "
+                                           "(default: 256,512,1024,2048,4096).", rich_help_panel=P),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Methods to search (default: full,lora, "
+                                          "the levers of arXiv 2406.02290).", rich_help_panel=P),
+    param_offload: bool = typer.Option(False, "--param-offload", help="Also try parameter offload "
+                                       "(ZeRO-Infinity / FSDP offload).", rich_help_panel=P),
+    no_offload: bool = typer.Option(False, "--no-offload", help="Never offload to CPU.", rich_help_panel=P),
+    with_fsdp: bool = typer.Option(False, "--fsdp", help="Also try FSDP (default: DDP and DeepSpeed ZeRO, as "
+                                   "the study).", rich_help_panel=P),
+    zero_stages: Optional[str] = typer.Option(None, "--zero-stages", help="DeepSpeed stages to try (0 = DDP), "
+                                              "e.g. 2,3.", rich_help_panel=P),
+    max_nodes: Optional[int] = typer.Option(None, "--max-nodes", help="Retry cells that fit nowhere on up to "
+                                            "this many nodes.", rich_help_panel=P),
+    batch_size: int = typer.Option(1, "--batch-size", help="Micro-batch per GPU.", rich_help_panel=S),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="LoRA rank.", rich_help_panel=S),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also draw the matrix into this image file.",
+                                       rich_help_panel=O),
+    margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+) -> None:
+    """Model size × context length table of the fastest recipe that fits (like arXiv 2406.02290 Fig. 4)."""
+    from memfit.cli import plan_view
+    from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, STUDY_METHODS, STUDY_ZERO_STAGES, matrix
+    from memfit.spec.hardware import parse_hardware
+
+    hw = parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes)
+    prof = _load("llama-2-7b", "local", None, None, profile)[2] if profile else None
+    offloads = ("none",) if no_offload else ("none", "optimizer", "optimizer+params") if param_offload \
+        else ("none", "optimizer")
+    lens = _int_list(seq_lens, "--seq-lens") or list(DEFAULT_SEQ_LENS)
+    for s in lens:
+        _positive("--seq-lens", s)
+    fixed = {"lora_r": lora_r} if lora_r is not None else None
+    with plan_view.progress("planning the matrix", quiet=json_):
+        m = matrix(hw, _str_list(models) or DEFAULT_MODELS, lens,
+                   methods=_str_list(methods) or STUDY_METHODS, offloads=offloads,
+                   zero_stages=None if with_fsdp and zero_stages is None
+                   else _int_list(zero_stages, "--zero-stages") or STUDY_ZERO_STAGES,
+                   micro_batch_size=_positive("--batch-size", batch_size), margin=margin, profile=prof,
+                   fixed=fixed, max_nodes=max_nodes)
+    written = None
+    if png is not None:
+        from memfit.plan.picture import draw
+
+        written = draw(m, png)
+    if json_:
+        out = m.to_dict()
+        if written:
+            out["png"] = str(written)
+        plan_view.print_json(out)
+    else:
+        plan_view.show_matrix(m, png=written)
+
+
+def _with_strategy_flags(fn: Any) -> Any:
+    """Append the strategy flags to ``fn``'s signature (typer reads the signature)."""
+    import inspect
+
+    sig = inspect.signature(fn, eval_str=True)
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=Optional[
+        int if name in ("zero", "lora_r", "lora_alpha", "meft_neurons", "meft_top_k")
+        else bool if name == "gradient_checkpointing" else str])
+        for name, opt in _strategy_options().items()]
+    params = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params] + extra
+
+    def wrapper(**kwargs: Any) -> None:
+        fn(**kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__name__ = fn.__name__
+    return wrapper
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add ``estimate``, ``plan`` and ``matrix`` to ``app``."""
+    app.command("estimate")(_with_strategy_flags(estimate_cmd))
+    app.command("plan")(_with_strategy_flags(plan_cmd))
+    app.command("matrix")(matrix_cmd)

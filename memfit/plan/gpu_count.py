@@ -1,0 +1,114 @@
+"""Search the GPU count too: per count, the best plan's step time, CPU RAM need, total time and cost.
+
+``gpu_count_search(model, gpu="RTX3090-24GB", max_gpus=8, ...)`` plans 1..max_gpus GPUs of one kind on
+one node. Given ``tokens`` (tokens to train on) or ``steps`` it adds the run's hours, and with a price
+per GPU-hour its cost, so "a third GPU cuts CPU RAM and time" (seed 004) reads off one table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memfit.errors import ConfigError
+from memfit.plan.search import Plan, plan
+
+
+@dataclass
+class CountRow:
+    gpus: int
+    plan: Plan
+    steps: Optional[int] = None
+    hours: Optional[float] = None
+    cost: Optional[float] = None
+
+    @property
+    def recommended(self) -> Any:
+        return self.plan.recommended
+
+    @property
+    def tokens_per_step(self) -> int:
+        s = self.recommended.strategy
+        return self.gpus * s.micro_batch_size * s.grad_accum * s.seq_len
+
+    def to_dict(self) -> dict:
+        rec = self.recommended
+        return {
+            "gpus": self.gpus,
+            "recommended": rec.to_dict() if rec is not None else None,
+            "step_seconds": rec.step_seconds if rec is not None else None,
+            "gpu_bytes": rec.gpu_total if rec is not None else None,
+            "cpu_bytes": rec.cpu_total if rec is not None else None,
+            "steps": self.steps,
+            "hours": self.hours,
+            "cost": self.cost,
+        }
+
+
+@dataclass
+class GpuCountResult:
+    gpu: str
+    price: Optional[float]
+    rows: list[CountRow] = field(default_factory=list)
+
+    @property
+    def best(self) -> Optional[CountRow]:
+        """The cheapest row when a price and a run length are known, else the fastest per token."""
+        fitting = [r for r in self.rows if r.recommended is not None]
+        if not fitting:
+            return None
+        if all(r.cost is not None for r in fitting):
+            return min(fitting, key=lambda r: (r.cost, r.hours))
+        if all(r.hours is not None for r in fitting):
+            return min(fitting, key=lambda r: r.hours)
+        return min(fitting, key=lambda r: r.recommended.step_seconds / r.tokens_per_step)
+
+    def to_dict(self) -> dict:
+        best = self.best
+        return {"gpu": self.gpu, "gpu_hour_price": self.price,
+                "rows": [r.to_dict() for r in self.rows], "best_gpus": best.gpus if best else None}
+
+
+def gpu_count_search(
+    model: Any,
+    gpu: str,
+    *,
+    max_gpus: int,
+    cpu_ram: Optional[str] = None,
+    price: Optional[float] = None,
+    tokens: Optional[int] = None,
+    steps: Optional[int] = None,
+    **plan_kwargs: Any,
+) -> GpuCountResult:
+    """Plan on 1..``max_gpus`` GPUs of kind ``gpu`` and add total time and cost per count."""
+    from memfit.spec.hardware import parse_hardware
+
+    if max_gpus < 1:
+        raise ConfigError(f"--max-gpus {max_gpus}: must be at least 1")
+    if tokens is not None and steps is not None:
+        raise ConfigError("--tokens and --steps both given: give one (tokens to train on, or optimizer steps)")
+    for name, value in (("--tokens", tokens), ("--steps", steps)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} {value}: must be a positive integer")
+    if price is not None and price < 0:
+        raise ConfigError(f"--gpu-hour-price {price}: must be >= 0 (a price per GPU-hour, e.g. 0.33)")
+    if "x" in gpu.lower().split("-")[0] and gpu.lower().split("x")[0].isdigit():
+        raise ConfigError(f"--gpu {gpu}: give one GPU kind without a count (e.g. RTX3090-24GB); "
+                          "--max-gpus sets the counts to try")
+    result = GpuCountResult(gpu=gpu, price=price)
+    for n in range(1, max_gpus + 1):
+        hardware = parse_hardware(f"{n}x{gpu}", cpu_ram=cpu_ram)
+        row = CountRow(gpus=n, plan=plan(model, hardware, **plan_kwargs))
+        rec = row.recommended
+        if rec is not None:
+            if tokens is not None:
+                row.steps = math.ceil(tokens / row.tokens_per_step)
+            elif steps is not None:
+                row.steps = steps
+            if row.steps is not None:
+                row.hours = row.steps * rec.step_seconds / 3600.0
+                if price is not None:
+                    row.cost = row.hours * n * price
+        result.rows.append(row)
+    return result

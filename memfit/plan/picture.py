@@ -1,0 +1,73 @@
+"""Draw a Matrix as a picture: one coloured box per cell, coloured by recipe, the recipe written inside.
+
+matplotlib is imported only here, only when a picture is asked for (``memfit matrix --png PATH``).
+The image is written to a temporary name and moved into place, so a half-written file never exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.plan import facts
+from memfit.plan.matrix import NO_FIT, Matrix
+
+NO_FIT_COLOUR = "#d9d9d9"
+
+
+def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 110) -> Path:
+    """Save the matrix as a PNG (or any format matplotlib infers from the suffix) at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    path = Path(path)
+    if not path.suffix:
+        raise MemfitError(f"--png {path}: give a file name with a suffix, e.g. matrix.png")
+    rows = m.rows()
+    recipes = sorted({label.split(" ×")[0] for row in rows for label in row if label != NO_FIT})
+    cmap = plt.get_cmap("tab20" if len(recipes) > 10 else "tab10")
+    colours = {r: cmap(i % cmap.N) for i, r in enumerate(recipes)}
+
+    n_rows, n_cols = len(m.models), len(m.seq_lens)
+    fig, ax = plt.subplots(figsize=(1.6 * n_cols + 2.2, 0.75 * n_rows + 1.6))
+    for i, row in enumerate(rows):
+        for j, label in enumerate(row):
+            recipe = label.split(" ×")[0]
+            colour = colours.get(recipe, NO_FIT_COLOUR)
+            y = n_rows - 1 - i
+            ax.add_patch(Rectangle((j, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
+            text = label.replace("+", "+\n", 1) if len(label) > 12 else label
+            ax.text(j + 0.5, y + 0.5, text, ha="center", va="center", fontsize=8,
+                    color="black" if label != NO_FIT else "#555555")
+    ax.set_xlim(0, n_cols)
+    ax.set_ylim(0, n_rows)
+    ax.set_xticks([j + 0.5 for j in range(n_cols)], [str(s) for s in m.seq_lens])
+    ax.set_yticks([n_rows - 1 - i + 0.5 for i in range(n_rows)], m.models)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(title or f"Fastest recipe that fits on {facts.hardware_text(m.hardware)} "
+                          "(✗: none fits; ×2n: two nodes)", fontsize=10)
+    handles = [Patch(facecolor=colours[r], label=r) for r in recipes]
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    fig.tight_layout()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

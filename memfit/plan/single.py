@@ -1,0 +1,68 @@
+"""Estimate ONE combination the user named, with the planner's defaults for the keys left out, the
+rules (can it run here at all?) and the safety margin (does it fit with room to spare?)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memfit.plan import rules
+from memfit.plan.search import memory_verdict
+from memfit.plan.space import make_strategy
+from memfit.spec.strategy import Strategy
+
+
+def complete_keys(model: Any, hardware: Any, keys: dict[str, Any]) -> dict[str, Any]:
+    """Fill what the user left out the way the planner would: precision for the device, LoRA targets
+    the model has, and QLoRA's quant storage equal to the parameter dtype under ZeRO-3/FSDP."""
+    keys = dict(keys)
+    keys.setdefault("precision", rules.default_precision(hardware))
+    if "lora_targets" not in keys:
+        keys["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
+    if keys.get("method", "lora") == "qlora" and "quant_storage" not in keys:
+        sharded = keys.get("zero_stage", 0) == 3 or keys.get("fsdp") not in (None, False)
+        keys["quant_storage"] = rules.PARAM_DTYPE.get(keys["precision"], "bf16") if sharded else "uint8"
+    return keys
+
+
+@dataclass
+class SingleEstimate:
+    estimate: Any
+    margin: float
+    rule_reasons: list[str] = field(default_factory=list)
+    memory_reason: Optional[str] = None
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.estimate.strategy
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.estimate.fits) and not self.rule_reasons and self.memory_reason is None
+
+    @property
+    def reasons(self) -> list[str]:
+        out = list(self.rule_reasons)
+        for r in list(self.estimate.reasons) + ([self.memory_reason] if self.memory_reason else []):
+            if r not in out:
+                out.append(r)
+        return out
+
+    def to_dict(self) -> dict:
+        d = self.estimate.to_dict()
+        d["fits"] = self.fits
+        d["reasons"] = self.reasons
+        d["margin"] = self.margin
+        return d
+
+
+def estimate_one(model: Any, hardware: Any, keys: dict[str, Any], *, margin: float = 0.05,
+                 profile: Any = None) -> SingleEstimate:
+    """The estimate of the combination ``keys`` (Strategy fields), checked against rules and margin."""
+    from memfit.estimate import estimate
+
+    strategy = make_strategy(**complete_keys(model, hardware, keys))
+    est = estimate(model, hardware, strategy, profile=profile)
+    verdict = memory_verdict(est, hardware, margin)
+    return SingleEstimate(est, margin, rules.check(model, hardware, strategy),
+                          verdict[0] if verdict and est.fits else None)

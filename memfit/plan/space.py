@@ -1,0 +1,123 @@
+"""The search space: every combination of levers the planner tries, as validated Strategy objects.
+
+method × gradient checkpointing × attention × engine (DDP, ZeRO-1/2/3, FSDP full_shard/shard_grad_op)
+× offload, at one precision per device (bf16-mixed where supported, else fp16-mixed; fp32 on the CPU).
+Keys the user fixes (``fixed``) are held; combinations the Strategy validator refuses (offload without
+an engine, parameter offload without parameter sharding) do not exist and are skipped silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+from pydantic import ValidationError
+
+from memfit.errors import ConfigError
+from memfit.plan import rules
+from memfit.spec.strategy import ATTENTIONS, METHODS, OFFLOADS, Strategy
+
+# (zero_stage, fsdp) per engine, fastest-to-leanest order.
+ENGINES: tuple[tuple[int, Any], ...] = (
+    (0, False), (1, False), (2, False), (3, False), (0, "shard_grad_op"), (0, "full_shard"),
+)
+STRATEGY_FIELDS = frozenset(Strategy.model_fields)
+
+
+def strategy_error(err: ValidationError, source: str = "strategy") -> ConfigError:
+    """One line naming the field(s) pydantic refused and what is allowed."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "strategy"
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc != "strategy" else msg)
+    return ConfigError(f"{source}: " + "; ".join(parts))
+
+
+def make_strategy(**keys: Any) -> Strategy:
+    """Strategy(**keys), with a one-line ConfigError naming the field on a bad value or combination."""
+    unknown = sorted(set(keys) - STRATEGY_FIELDS)
+    if unknown:
+        raise ConfigError(f"strategy: unknown key(s) {', '.join(unknown)}; allowed: "
+                          + ", ".join(sorted(STRATEGY_FIELDS)))
+    try:
+        return Strategy(**keys)
+    except ValidationError as err:
+        raise strategy_error(err) from None
+
+
+def _check_choices(name: str, values: Iterable[Any], allowed: Iterable[Any]) -> list[Any]:
+    values, allowed = list(values), list(allowed)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ConfigError(f"{name}: {', '.join(map(str, bad)) or '(empty)'} not allowed; choose from "
+                          + ", ".join(map(str, allowed)))
+    return values
+
+
+def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> list[tuple[int, Any]]:
+    """Engines to try. ``zero_stages`` restricts the search to DeepSpeed stages (0 = DDP), no FSDP."""
+    engines = list(ENGINES)
+    if zero_stages is not None:
+        stages = _check_choices("--zero-stages", zero_stages, (0, 1, 2, 3))
+        engines = [(z, f) for z, f in engines if not f and z in stages]
+    if "zero_stage" in fixed:
+        engines = [(z, f) for z, f in engines if z == fixed["zero_stage"] and not f]
+        if not engines:
+            engines = [(int(fixed["zero_stage"]), False)]
+    if "fsdp" in fixed:
+        engines = [(z, f) for z, f in ENGINES if f == fixed["fsdp"] and (f or z == fixed.get("zero_stage", z))]
+    return engines
+
+
+def enumerate_strategies(
+    model: Any,
+    hardware: Any,
+    *,
+    methods: Optional[Iterable[str]] = None,
+    zero_stages: Optional[Iterable[int]] = None,
+    allow_offload: bool = True,
+    offloads: Optional[Iterable[str]] = None,
+    seq_len: int,
+    micro_batch_size: int,
+    grad_accum: int = 1,
+    fixed: Optional[dict[str, Any]] = None,
+) -> Iterator[Strategy]:
+    """Every existing combination of the levers, holding the keys in ``fixed``."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - STRATEGY_FIELDS)
+    if unknown:
+        raise ConfigError(f"fixed strategy key(s) {', '.join(unknown)} unknown; allowed: "
+                          + ", ".join(sorted(STRATEGY_FIELDS)))
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("grad_accum", grad_accum)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value}: must be a positive integer")
+    methods = _check_choices("--methods", methods if methods is not None else METHODS, METHODS)
+    if "method" in fixed:
+        methods = [fixed["method"]]
+    if offloads is None:
+        offloads = OFFLOADS if allow_offload else ("none",)
+    offloads = _check_choices("offload", offloads, OFFLOADS)
+    if "offload" in fixed:
+        offloads = [fixed["offload"]]
+    gcs = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
+    attentions = [fixed["attention"]] if "attention" in fixed else list(ATTENTIONS)
+    precision = fixed.get("precision", rules.default_precision(hardware))
+    base = {k: v for k, v in fixed.items() if k not in ("method", "offload", "gradient_checkpointing",
+                                                        "attention", "zero_stage", "fsdp")}
+    base.update(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum, precision=precision)
+    if "lora_targets" not in fixed:
+        base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
+    engines = engines_for(zero_stages, fixed)
+    for method in methods:
+        for zero, fsdp in engines:
+            keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp)
+            if method == "qlora" and "quant_storage" not in fixed:
+                sharded = zero == 3 or bool(fsdp)
+                keys["quant_storage"] = rules.PARAM_DTYPE[precision] if sharded else "uint8"
+            for offload in offloads:
+                for gc in gcs:
+                    for attention in attentions:
+                        try:
+                            yield Strategy(**keys, offload=offload, gradient_checkpointing=gc, attention=attention)
+                        except ValidationError:
+                            continue  # a combination that does not exist (e.g. offload without an engine)
