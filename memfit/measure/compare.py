@@ -1,0 +1,91 @@
+"""Measured against predicted, component by component and in total (plain Python, no torch).
+
+The estimate's memory components (``memory.gpu_bytes``: weights, gradients, optimizer, activations,
+logits, overhead, total) are matched with the probe's categories. Every figure keeps the name of its
+metric: the comparison is against the **allocated** peak (allocator level); reserved (CUDA) and RSS are
+reported beside it, never mixed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# estimate component -> probe categories that make it up
+COMPONENT_MAP: dict[str, tuple[str, ...]] = {
+    "weights": ("parameters",),
+    "gradients": ("gradients",),
+    "optimizer": ("optimizer_state",),
+    "activations": ("activations", "autograd_detail", "inputs"),
+    "logits": ("logits",),
+    "overhead": ("temporaries", "unattributed"),
+}
+
+
+def error_pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """(predicted − measured) / measured in percent; None when either side is missing or measured is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return round(100.0 * (float(predicted) - float(measured)) / float(measured), 2)
+
+
+def measured_by_component(components: dict[str, int]) -> dict[str, int]:
+    """The probe's categories folded into the estimate's component names."""
+    return {name: sum(int(components.get(c, 0)) for c in cats) for name, cats in COMPONENT_MAP.items()}
+
+
+def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
+    """The per-device memory components of an ``Estimate.to_dict()`` (tolerant of missing keys)."""
+    mem = (predicted or {}).get("memory", {})
+    gpu = mem.get("gpu_bytes") or mem.get("per_gpu_bytes") or {}
+    return {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float))}
+
+
+def predicted_step_seconds(predicted: dict[str, Any]) -> Optional[float]:
+    t = (predicted or {}).get("time", {}).get("step_seconds")
+    return float(t) if isinstance(t, (int, float)) else None
+
+
+def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """``error_pct`` for the total (vs the allocated peak), each component, and step time.
+
+    Also returns ``rows``: one dict per line of the human table (component, metric, predicted, measured,
+    error_pct).
+    """
+    pred = predicted_memory(predicted)
+    meas = measured_by_component(measured.get("components") or {})
+    rows = []
+    errors: dict[str, Optional[float]] = {}
+    for name in COMPONENT_MAP:
+        p, m = pred.get(name), meas.get(name)
+        if p is None and not m:
+            continue
+        errors[name] = error_pct(p, m)
+        rows.append({"component": name, "metric": "allocated", "predicted": p, "measured": m,
+                     "error_pct": errors[name]})
+    total_p, total_m = pred.get("total"), measured.get("peak_allocated_bytes")
+    errors["total"] = error_pct(total_p, total_m)
+    rows.append({"component": "total", "metric": "allocated", "predicted": total_p, "measured": total_m,
+                 "error_pct": errors["total"]})
+    if measured.get("peak_reserved_bytes") is not None:
+        rows.append({"component": "total", "metric": "reserved", "predicted": total_p,
+                     "measured": measured["peak_reserved_bytes"],
+                     "error_pct": error_pct(total_p, measured["peak_reserved_bytes"])})
+    if measured.get("peak_rss_bytes") is not None:
+        rss_p = (predicted or {}).get("memory", {}).get("cpu_bytes", {}).get("total")
+        rows.append({"component": "process", "metric": "RSS", "predicted": rss_p,
+                     "measured": measured["peak_rss_bytes"], "error_pct": None})
+    t_p, t_m = predicted_step_seconds(predicted), measured.get("step_seconds")
+    errors["step_seconds"] = error_pct(t_p, t_m)
+    rows.append({"component": "step time", "metric": "seconds", "predicted": t_p, "measured": t_m,
+                 "error_pct": errors["step_seconds"]})
+    return {"error_pct": errors, "rows": rows}
+
+
+def summarize(errors: list[Optional[float]]) -> dict[str, Optional[float]]:
+    """Median and max of |error %| over a grid (None entries skipped)."""
+    vals = sorted(abs(e) for e in errors if e is not None)
+    if not vals:
+        return {"n": 0, "median_abs_pct": None, "max_abs_pct": None}
+    mid = len(vals) // 2
+    median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    return {"n": len(vals), "median_abs_pct": round(median, 2), "max_abs_pct": round(vals[-1], 2)}

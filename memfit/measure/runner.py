@@ -1,0 +1,172 @@
+"""Run each configuration in a fresh subprocess and collect what its ranks measured.
+
+A fresh process per configuration means nothing an earlier run allocated (allocator caches, glibc's
+free lists, CUDA context) leaks into the next figure. Multi-process runs start under torchrun; every
+rank writes ``rank{N}.json`` and the runner merges them (the peak is the largest rank's).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from memfit.errors import ConfigError, MemfitError
+from memfit.measure.compare import compare
+
+_STRATEGY_KEYS: Optional[set[str]] = None
+
+
+def _strategy_keys() -> set[str]:
+    global _STRATEGY_KEYS
+    if _STRATEGY_KEYS is None:
+        from memfit.spec.strategy import Strategy
+
+        _STRATEGY_KEYS = set(Strategy.model_fields)
+    return _STRATEGY_KEYS
+
+
+def sweep_overrides(sweeps: Iterable[str]) -> list[list[str]]:
+    """``["gradient_checkpointing=true,false", "seq_len=256,1024"]`` → the cartesian product as
+    ``--set`` lists. Bare strategy keys get the ``strategy.`` prefix."""
+    axes = []
+    for item in sweeps:
+        if "=" not in item:
+            raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,..., e.g. --sweep seq_len=256,1024")
+        key, values = item.split("=", 1)
+        key = key.strip()
+        if "." not in key and key in _strategy_keys():
+            key = f"strategy.{key}"
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not vals:
+            raise ConfigError(f"--sweep {key}: no values given; write {key}=V1,V2")
+        axes.append([f"{key}={v}" for v in vals])
+    return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``measured`` object: the peak rank's figures, the slowest step, and every rank listed."""
+    if not ranks:
+        raise MemfitError("the measured run wrote no figures (did it reach a measured step?)")
+    ranks = sorted(ranks, key=lambda r: r.get("rank", 0))
+    top = max(ranks, key=lambda r: r["peak_allocated_bytes"])
+
+    def most(key: str) -> Any:
+        vals = [r.get(key) for r in ranks if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    return {
+        "device": top["device"],
+        "peak_allocated_bytes": top["peak_allocated_bytes"],
+        "peak_reserved_bytes": most("peak_reserved_bytes"),
+        "peak_rss_bytes": most("peak_rss_bytes"),
+        "cuda_context_bytes": most("cuda_context_bytes"),
+        "components": top["components"],
+        "step_seconds": most("step_seconds"),
+        "method": top.get("method"),
+        "ranks": ranks,
+    }
+
+
+def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: float = 1800,
+                         categories: bool = True, threads: Optional[int] = None,
+                         keep_dir: Optional[Path] = None) -> dict[str, Any]:
+    """Train ``run`` (a RunSpec) for warmup+steps steps in a fresh process; the merged ``measured``."""
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got steps={steps}, warmup={warmup})")
+    work = Path(tempfile.mkdtemp(prefix="memfit-measure-"))
+    try:
+        spec = {"run": run.model_dump(mode="json"), "warmup": warmup, "steps": steps,
+                "out": str(work / "rank{rank}.json"), "categories": categories, "threads": threads}
+        spec["run"]["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        nproc = run.distributed.nproc
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={_free_port()}", "-m", "memfit.measure.worker", str(spec_path)]
+        else:
+            cmd = [sys.executable, "-m", "memfit.measure.worker", str(spec_path)]
+        from memfit.measure.probe import env_for_measurement
+
+        proc = subprocess.run(cmd, env=env_for_measurement(), capture_output=True, text=True,
+                              timeout=timeout)
+        ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
+        if proc.returncode != 0 and not ranks:
+            tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
+            raise MemfitError(f"measured run {run.strategy.label()} failed (exit {proc.returncode}): {tail}")
+        measured = merge_ranks(ranks)
+        if proc.returncode != 0:  # e.g. DeepSpeed's flaky shutdown after training finished
+            measured["exit_code"] = proc.returncode
+        return measured
+    except subprocess.TimeoutExpired:
+        raise MemfitError(f"measured run {run.strategy.label()} took over {timeout:.0f} s; "
+                          "use fewer --steps or a shorter seq_len") from None
+    finally:
+        if keep_dir is not None:
+            shutil.copytree(work, keep_dir, dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
+    """The estimator's ``Estimate.to_dict()`` for ``run``, or None while no estimator is installed."""
+    try:
+        from memfit.estimate import estimate
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import resolve_model
+    except ImportError:
+        return None
+    model = resolve_model(run.model)
+    hardware = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
+    return estimate(model, hardware, run.strategy, profile=profile).to_dict()
+
+
+def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
+            measured: Optional[dict[str, Any]] = None, **kw: Any) -> dict[str, Any]:
+    """``{"run", "predicted", "measured", "error_pct", "rows"}`` for one configuration."""
+    predicted = predict(run, profile)
+    if measured is None:
+        measured = run_measured_process(run, warmup=warmup, steps=steps, **kw)
+    cmp = compare(predicted or {}, measured)
+    run_dict = run.model_dump(mode="json")
+    run_dict["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
+    return {"label": run.strategy.label(), "run": run_dict, "predicted": predicted,
+            "measured": measured, "error_pct": cmp["error_pct"], "rows": cmp["rows"],
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def save_record(record: dict[str, Any], out_dir: Path, name: str) -> Path:
+    """Write one measurement as ``out_dir/name.json`` (atomically) for ``memfit calibrate --runs``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(record, fh, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def measure_many(runs: list[Any], on_done: Optional[Callable[[int, dict], None]] = None,
+                 **kw: Any) -> list[dict[str, Any]]:
+    out = []
+    for i, run in enumerate(runs):
+        rec = measure(run, **kw)
+        out.append(rec)
+        if on_done is not None:
+            on_done(i, rec)
+    return out

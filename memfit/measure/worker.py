@@ -1,0 +1,94 @@
+"""The measured process: ``python -m memfit.measure.worker SPEC.json`` (one per rank under torchrun).
+
+SPEC holds the run (a RunSpec as a dict), warm-up and measured step counts and where each rank writes
+its figures. The worker trains the run through memfit's own trainer (``memfit.train.api.train``) with
+the probe attached as a callback, on synthetic text whose every sequence is exactly ``seq_len`` tokens
+(so the measured shapes are the planned shapes), for ``warmup + steps`` optimizer steps, no checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+_WORDS = ("alpha beta gamma delta model memory tensor layer train plan measure adapter window batch "
+          "token sequence gradient optimizer shard offload kernel cache vector matrix scale").split()
+
+
+def synthetic_text_records(n: int, seq_len: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` records of random words, each long enough to fill ``seq_len`` tokens of any tokenizer."""
+    rng = random.Random(seed)
+    words = max(64, 2 * seq_len)  # a word is at least one token
+    return [{"text": " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(words))}
+            for _ in range(n)]
+
+
+def vocab_size_of(model_path: str) -> Optional[int]:
+    p = Path(model_path)
+    cfg = p if p.name == "config.json" else p / "config.json"
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    v = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None
+
+
+def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int) -> Optional[Callable[[int], bool]]:
+    """True for a tensor whose byte size is one of the output layer's b·s·V (or b·(s−1)·V) tensors."""
+    if not vocab:
+        return None
+    sizes = {micro_batch * s * vocab * e for s in (seq_len, seq_len - 1) for e in (2, 4)}
+    return lambda nbytes: nbytes in sizes
+
+
+def prepare_run(spec: dict[str, Any], workdir: Path):
+    """The RunSpec the worker trains: synthetic full-length data, warmup+steps steps, no checkpoints."""
+    from memfit.spec.run import run_from_dict
+
+    base = run_from_dict(spec["run"], source="measure spec")
+    s = base.strategy
+    world = base.distributed.nproc * base.distributed.nodes
+    steps = int(spec["warmup"]) + int(spec["steps"])
+    n = s.micro_batch_size * s.grad_accum * world * steps + 2
+    data_path = workdir / "synthetic.jsonl"
+    if int(os.environ.get("RANK", "0")) == 0 or not data_path.exists():
+        tmp = data_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(n, s.seq_len)))
+        os.replace(tmp, data_path)
+    raw = base.model_dump(mode="json")
+    raw["data"] = {"path": str(data_path), "format": "text", "eval_fraction": 0.0, "packing": False}
+    raw["training"].update({"max_steps": steps, "epochs": None, "checkpoint_interval": 0,
+                            "eval_interval": 0, "logging_interval": 1})
+    raw["output_dir"] = str(workdir / "train")
+    return run_from_dict(raw, source="measure spec")
+
+
+def main(argv: list[str]) -> int:
+    spec_path = Path(argv[0])
+    spec = json.loads(spec_path.read_text())
+    workdir = spec_path.parent
+    run = prepare_run(spec, workdir)
+
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    from memfit.measure.callback import ProbeCallback
+    from memfit.train.api import train
+
+    s = run.strategy
+    cb = ProbeCallback(warmup=int(spec["warmup"]), steps=int(spec["steps"]), out_path=spec["out"],
+                       logits_bytes=logits_predicate(vocab_size_of(run.model), s.micro_batch_size,
+                                                     s.seq_len),
+                       categories=bool(spec.get("categories", True)))
+    train(run, callbacks=[cb])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

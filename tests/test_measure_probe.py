@@ -1,0 +1,144 @@
+"""The memory probe: exact on known allocation patterns, and a real step's breakdown sums to its peak."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memfit.measure import probe as P  # noqa: E402
+from memfit.measure.compare import compare, error_pct, measured_by_component, summarize  # noqa: E402
+from memfit.measure.runner import merge_ranks, sweep_overrides  # noqa: E402
+
+
+def test_known_allocation_pattern_is_exact():
+    keep = torch.ones(1000)  # 4000 B live before the window and used inside it
+    with P.TensorMemoryProbe("cpu", baseline=lambda: [keep]) as probe:
+        a = torch.empty(10_000, dtype=torch.uint8)   # 10,000
+        b = torch.ones(3000)                         # 12,000  -> 26,000 live
+        del a                                        # 16,000
+        d = torch.empty(500, dtype=torch.float64)    # 4,000   -> 20,000
+        e = b * 2 + keep.sum()                       # b*2 12,000 + sum 4 + e 12,000 -> 44,004
+        del e
+        del d
+    r = probe.result()
+    assert r.peak_allocated_bytes == 44_004
+    assert r.raw_events_peak_bytes == 44_004
+    assert r.baseline_bytes == 4000
+    assert sum(r.components.values()) == r.peak_allocated_bytes
+
+
+def test_peak_is_the_maximum_not_the_end():
+    with P.TensorMemoryProbe("cpu", baseline=lambda: []) as probe:
+        big = torch.empty(1 << 20, dtype=torch.uint8)
+        del big
+        small = torch.empty(1000, dtype=torch.uint8)
+    assert probe.result().peak_allocated_bytes == 1 << 20
+    del small
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def test_training_step_breakdown_sums_and_matches_model_states():
+    torch.set_num_threads(1)
+    model = _tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 512, (2, 128))
+
+    def step():
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: creates the optimizer state
+
+    def baseline():
+        yield from model.parameters()
+        for st in opt.state.values():
+            yield from (v for v in st.values() if torch.is_tensor(v))
+
+    vocab_logits = {2 * s * 512 * 4 for s in (128, 127)}
+    with P.TensorMemoryProbe("cpu", baseline=baseline, logits_bytes=lambda n: n in vocab_logits) as probe:
+        step()
+    r = probe.result()
+    comps = r.components
+    assert sum(comps.values()) == r.peak_allocated_bytes
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    assert comps["parameters"] == param_bytes
+    assert comps["optimizer_state"] == state_bytes
+    assert comps["logits"] >= 2 * 128 * 512 * 4  # at least the fp32 logits are live at the peak
+    assert comps["activations"] > 0
+    # the two independent figures agree (the raw one misses only the integer input batch)
+    assert abs(r.raw_events_peak_bytes - r.peak_allocated_bytes) <= x.numel() * 8 * 2
+
+
+def test_peak_rss_reset_and_growth():
+    P.reset_peak_rss()
+    before = P.peak_rss_bytes()
+    buf = bytearray(64 << 20)
+    for i in range(0, len(buf), 4096):
+        buf[i] = 1
+    assert P.peak_rss_bytes() >= before + (60 << 20)
+    del buf
+
+
+def test_env_for_measurement_sets_malloc_threshold():
+    env = P.env_for_measurement({})
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
+def test_error_pct_and_compare_rows():
+    assert error_pct(110, 100) == 10.0
+    assert error_pct(90, 100) == -10.0
+    assert error_pct(None, 100) is None and error_pct(5, 0) is None
+    predicted = {"memory": {"gpu_bytes": {"weights": 100, "gradients": 0, "optimizer": 50,
+                                          "activations": 300, "logits": 40, "overhead": 10, "total": 500}},
+                 "time": {"step_seconds": 2.0}}
+    measured = {"peak_allocated_bytes": 400, "peak_rss_bytes": 9000, "step_seconds": 1.0,
+                "components": {"parameters": 100, "optimizer_state": 40, "activations": 200, "inputs": 10,
+                               "logits": 40, "temporaries": 5, "unattributed": 5}}
+    folded = measured_by_component(measured["components"])
+    assert folded == {"weights": 100, "gradients": 0, "optimizer": 40, "activations": 210, "logits": 40,
+                      "overhead": 10}
+    out = compare(predicted, measured)
+    assert out["error_pct"]["total"] == 25.0
+    assert out["error_pct"]["optimizer"] == 25.0
+    assert out["error_pct"]["step_seconds"] == 100.0
+    metrics = {(row["component"], row["metric"]) for row in out["rows"]}
+    assert ("total", "allocated") in metrics and ("process", "RSS") in metrics
+
+
+def test_summarize():
+    s = summarize([1.0, -3.0, None, 2.0, 10.0])
+    assert s == {"n": 4, "median_abs_pct": 2.5, "max_abs_pct": 10.0}
+
+
+def test_sweep_is_a_cartesian_product():
+    combos = sweep_overrides(["gradient_checkpointing=true,false", "seq_len=256,1024", "lora.r=8"])
+    assert len(combos) == 4
+    assert ["strategy.gradient_checkpointing=true", "strategy.seq_len=256", "lora.r=8"] in combos
+
+
+def test_sweep_rejects_bad_items():
+    from memfit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="KEY=V1,V2"):
+        sweep_overrides(["seq_len"])
+
+
+def test_merge_ranks_takes_the_peak_rank():
+    r0 = {"rank": 0, "device": "cpu", "peak_allocated_bytes": 10, "peak_rss_bytes": 100,
+          "components": {"parameters": 10}, "step_seconds": 1.0}
+    r1 = {"rank": 1, "device": "cpu", "peak_allocated_bytes": 12, "peak_rss_bytes": 90,
+          "components": {"parameters": 12}, "step_seconds": 1.5}
+    m = merge_ranks([r1, r0])
+    assert m["peak_allocated_bytes"] == 12 and m["components"] == {"parameters": 12}
+    assert m["peak_rss_bytes"] == 100 and m["step_seconds"] == 1.5
+    assert [r["rank"] for r in m["ranks"]] == [0, 1]
