@@ -1,0 +1,130 @@
+"""Profile: every free constant of the estimator in one place, so measurement can calibrate it.
+
+All values are plain floats (flags are 0.0/1.0) with a one-line comment giving what and where from.
+``Profile.load(path)`` / ``.save(path)`` use JSON: the fields at top level, plus ``calibrated``
+(field name → relative error measured after fitting) and free-form ``notes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import ConfigError
+
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Profile:
+    # ---- time: compute ----------------------------------------------------------------------------
+    utilization: float = 0.45  # achieved fraction of peak 16-bit FLOP/s at large batches (memory-model.md: 35–55 %)
+    utilization_fp32: float = 0.6  # achieved fraction of plain fp32 FLOP/s (no tensor cores; simpler kernels)
+    utilization_cpu: float = 0.3  # CPU pseudo-device: fraction of the core-count FLOP/s estimate (guess; calibrate)
+    utilization_half_tokens: float = 256.0  # tokens per micro-batch at which utilisation is half of the above (small batches starve the GPU; guess)
+    qlora_dequant_slowdown: float = 1.3  # NF4 dequantisation makes frozen matmuls this much slower (bitsandbytes reports 1.2–1.5x)
+    eager_attention_slowdown: float = 1.5  # eager attention (materialised s²) runs its FLOPs this much slower than fused kernels (guess)
+    gpu_optimizer_seconds_per_param: float = 2e-11  # GPU optimizer step: ~32 B read+written per param at ~1.5 TB/s
+    # ---- time: communication ------------------------------------------------------------------------
+    intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
+    inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth
+    pcie_efficiency: float = 0.75  # achieved fraction of PCIe bandwidth for pinned host<->device copies
+    overlap_ddp: float = 0.7  # fraction of DDP's gradient all-reduce hidden behind backward (bucketed overlap)
+    overlap_zero12: float = 0.5  # fraction of ZeRO-1/2 / shard_grad_op communication hidden behind compute
+    overlap_zero3: float = 0.3  # fraction of ZeRO-3 / full_shard all-gathers hidden by prefetching
+    overlap_offload: float = 0.3  # fraction of offload PCIe traffic hidden behind compute
+    cpu_adam_params_per_second: float = 3e8  # DeepSpeedCPUAdam throughput per process (AVX2/AVX512, ~1–2e9/s per node)
+    meft_overlap: float = 0.5  # fraction of MEFT's PCIe traffic hidden by look-ahead prefetch (meft.md)
+    meft_cpu_flops: float = 5e10  # CPU FLOP/s per process for MEFT's key-expert search and scatter (guess; calibrate)
+    # ---- GPU memory: activations ---------------------------------------------------------------------
+    activation_scale: float = 1.0  # multiplier on the derived per-layer activation bytes (calibration knob)
+    activation_korthikanti: float = 0.0  # 1.0 = use the GPT-style s·b·h·(34 + 5as/h) count instead of the derived one
+    logits_bytes_16bit: float = 10.0  # bytes per logit value at the loss peak: half logits 2 + fp32 log-softmax 4 + its fp32 grad 4
+    logits_bytes_fp32: float = 12.0  # fp32 training: logits 4 + log-softmax 4 + grad 4
+    checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
+    # ---- GPU memory: overheads ------------------------------------------------------------------------
+    cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)
+    nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 (memory-model.md: 1–2 GiB incl. streams)
+    fragmentation: float = 0.08  # caching-allocator fragmentation: reserved − allocated, as a fraction of the formula lines (5–20 %)
+    ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
+    zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
+    zero_allgather_bucket_elements: float = 2e8  # DeepSpeed allgather_bucket_size (elements) for ZeRO-1/2
+    zero3_prefetch_per_h2: float = 0.9  # stage3_prefetch_bucket_size = 0.9·h² elements (HF 'auto')
+    gathered_layers: float = 2.0  # ZeRO-3 / full_shard: full layers live at once (current + prefetched)
+    # ---- frozen weights -----------------------------------------------------------------------------
+    nf4_bytes_per_param: float = 0.5  # 4-bit NF4 codes
+    nf4_absmax_bytes: float = 0.0625  # one fp32 absmax per 64-value block
+    nf4_absmax_bytes_double_quant: float = 0.0159  # 8-bit absmax per block + fp32 per 256 blocks (QLoRA paper)
+    qlora_fp32_upcast: float = 1.0  # 1.0: prepare_model_for_kbit_training upcasts non-quantised params (embeddings, head, norms) to fp32
+    # ---- MEFT -------------------------------------------------------------------------------------
+    meft_live_buffers: float = 2.0  # device buffer sets alive at once (current layer + look-ahead)
+    meft_buffer_fraction: float = 0.26  # device buffer rows as a fraction of neurons; seed 002's 0.56·M values/batch (LLaMA-7B, r=6144, b=2, s=256) implies ~26 %
+    meft_param_transfer_bytes: float = 4.0  # bytes per adapter value moved H2D / gradient moved D2H (fp32 tables)
+    # ---- CPU RAM ----------------------------------------------------------------------------------
+    process_baseline_bytes: float = 2.0 * GiB  # resident size of a Python+torch(+CUDA libs) training process before the model
+    pinned_buffer_bytes: float = 1.0 * GiB  # pinned staging buffers per process when offloading
+    checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init
+    # ---- bookkeeping --------------------------------------------------------------------------------
+    calibrated: dict = field(default_factory=dict, compare=False)  # name -> measured relative error after calibration
+    notes: str = ""
+
+    @classmethod
+    def constant_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name not in ("calibrated", "notes")]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_values(self, **values: float) -> "Profile":
+        bad = [k for k in values if k not in self.constant_names()]
+        if bad:
+            raise ConfigError(f"profile: unknown constant(s) {', '.join(bad)}; known: {', '.join(self.constant_names())}")
+        return replace(self, **{k: float(v) for k, v in values.items()})
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "profile") -> "Profile":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object of constant names to numbers")
+        known = set(cls.constant_names())
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in ("calibrated", "notes"):
+                continue
+            if key not in known:
+                raise ConfigError(f"{source}: unknown constant {key!r}; known: {', '.join(sorted(known))}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+            values[key] = float(value)
+        calibrated = raw.get("calibrated") or {}
+        if not isinstance(calibrated, dict):
+            raise ConfigError(f"{source}: 'calibrated' must map constant names to measured errors")
+        return cls(**values, calibrated=dict(calibrated), notes=str(raw.get("notes") or ""))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as err:
+            raise ConfigError(f"profile {path}: cannot read ({err.strerror})") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"profile {path}: malformed JSON at line {err.lineno}: {err.msg}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temp file + os.replace)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+DEFAULT_PROFILE = Profile()

@@ -1,0 +1,315 @@
+"""estimate(model, hardware, strategy) -> Estimate: memory per GPU, CPU RAM per node, step time.
+
+``Estimate.to_dict()`` is the ``memfit estimate --json`` contract (see docs/estimator.md). GPU lines:
+formula lines (weights, gradients, optimizer, activations, logits, lora_intermediates, meft_buffers),
+engine lines derived from the engine's configuration (gathered_params, comm_buffers) and one
+``overhead`` line (CUDA context + NCCL buffers + allocator fragmentation, itemised in
+``memory.gpu_overhead_bytes``). The numeric lines of ``gpu_bytes`` other than ``total`` sum to ``total``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from memfit.estimate import memory as M
+from memfit.estimate import timing as T
+from memfit.estimate.constants import DEFAULT_PROFILE, Profile
+from memfit.spec.hardware import HardwareSpec
+from memfit.spec.model import ModelSpec, lora_target_reason
+from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
+
+GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers")
+GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
+GPU_OVERHEAD_LINES = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
+_ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+                "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
+
+
+class Estimate:
+    """The estimate of one (model, hardware, strategy); ``to_dict()`` gives the JSON contract."""
+
+    __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
+                 "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
+                 "margin", "usable_gpu_bytes")
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    @property
+    def gpu_total(self) -> float:
+        return self.gpu["total"]
+
+    @property
+    def cpu_total(self) -> float:
+        return self.cpu["total"]
+
+    @property
+    def step_seconds(self) -> float:
+        return self.time["step_seconds"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.time["tokens_per_second"]
+
+    def __repr__(self) -> str:
+        return (f"Estimate({self.model.name}, {self.hardware.describe()}, {self.strategy.label()}, "
+                f"gpu={self.gpu_total / 1e9:.2f}GB, step={self.step_seconds:.3f}s, fits={self.fits})")
+
+    def to_dict(self) -> dict[str, Any]:
+        hw = self.hardware
+        strategy = self.strategy.model_dump(mode="json")
+        strategy["lora_targets"] = list(self.strategy.lora_targets)
+        return {
+            "model": {"name": self.model.name, "parameters": self.model.parameters,
+                      "trainable_parameters": int(self.trainable_parameters)},
+            "hardware": {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
+                         "gpu_memory_bytes": int(hw.gpu.memory_bytes), "cpu_ram_bytes": int(hw.cpu_ram_bytes)},
+            "strategy": strategy,
+            "memory": {
+                "gpu_bytes": {k: int(round(v)) for k, v in self.gpu.items()},
+                "gpu_overhead_bytes": {k: int(round(v)) for k, v in self.gpu_overhead.items()},
+                "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
+                                   **{k: "engine" for k in GPU_ENGINE_LINES}, "overhead": "overhead"},
+                "usable_gpu_bytes": int(self.usable_gpu_bytes),
+                "margin": self.margin,
+                "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
+                "cpu_peak_phase": self.cpu_phase,
+            },
+            "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)"},
+            "traffic": {k: int(round(v)) for k, v in self.traffic.items()},
+            "floors": {"memory_bytes": int(round(self.floor_memory)), "step_seconds": self.floor_seconds},
+            "fits": self.fits,
+            "reasons": list(self.reasons),
+        }
+
+
+def _targets(model: ModelSpec, strategy: Strategy):
+    """LoRA targets; PEFT's Llama-style default on a model without those names means all linears."""
+    targets = strategy.lora_targets
+    if targets == DEFAULT_LORA_TARGETS and model.family not in ("llama", "mistral", "qwen2"):
+        return ("all-linear",)
+    return targets
+
+
+def meft_traffic_bytes(model: ModelSpec, strategy: Strategy, profile: Optional[Profile] = None) -> dict[str, float]:
+    """MEFT bytes per process per optimizer step: ``d2h`` = hidden states (B·l·d per layer, forward) +
+    slice gradients (2·d·β·K per layer, backward); ``h2d`` = key rows and value columns (2·d·β·K per
+    layer). β·K = rows the micro-batch activates (see memory.meft_rows)."""
+    p = profile or DEFAULT_PROFILE
+    b, s, ga = strategy.micro_batch_size, strategy.seq_len, strategy.grad_accum
+    e = 4.0 if strategy.precision == "fp32" else 2.0
+    rows = M.meft_rows(model, strategy.meft_neurons, strategy.meft_top_k, b, s, p)
+    d, layers = model.hidden, model.layers
+    slices = 2.0 * d * rows * p.meft_param_transfer_bytes * layers * ga
+    hidden = float(b) * s * d * e * layers * ga
+    return {"h2d": slices, "d2h": hidden + slices}
+
+
+def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
+             margin: float = 0.05, activation_formula: Optional[str] = None) -> Estimate:
+    """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style)."""
+    p = profile or DEFAULT_PROFILE
+    if activation_formula == "korthikanti" and not p.activation_korthikanti:
+        p = p.with_values(activation_korthikanti=1.0)
+    elif activation_formula not in (None, "derived", "korthikanti"):
+        from memfit.errors import ConfigError
+        raise ConfigError(f"activation_formula {activation_formula!r}: use 'derived' or 'korthikanti'")
+    st = strategy
+    gpu = hardware.gpu
+    n = hardware.world_size
+    per_node = hardware.gpus_per_node
+    s, b, ga = st.seq_len, st.micro_batch_size, st.grad_accum
+    method, prec = st.method, st.precision
+    engine = _ENGINE_KIND[st.engine]
+    w_b, g_b, o_b = M.state_bytes(prec, st.optimizer)
+    e = 4.0 if prec == "fp32" else 2.0
+    nums = M.numbers(model)
+    P = float(model.parameters)
+    reasons: list[str] = []
+
+    # ---- what is trained, what is frozen, and at what storage --------------------------------------
+    targets = ()
+    adapter_params = 0.0
+    meft_router = 0.0
+    if method == "full":
+        p_t, frozen_bytes = P, 0.0
+    elif method in ("lora", "qlora"):
+        targets = _targets(model, st)
+        p_t = float(model.lora_parameters(targets, st.lora_r))
+        adapter_params = p_t
+        if p_t == 0:
+            reasons.append(lora_target_reason(model, targets))
+        if method == "qlora":
+            absmax = p.nf4_absmax_bytes_double_quant if st.double_quant else p.nf4_absmax_bytes
+            other_b = 4.0 if p.qlora_fp32_upcast else (4.0 if prec == "fp32" else 2.0)
+            frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
+        else:
+            frozen_bytes = P * (4.0 if prec == "fp32" else 2.0)
+    else:  # meft: adapter on CPU, router (h × experts per layer) trained on the GPU
+        experts = M.meft_experts(st.meft_neurons, st.meft_experts)
+        meft_router = float(model.layers * model.hidden * experts)
+        p_t = meft_router
+        frozen_bytes = P * (4.0 if prec == "fp32" else 2.0)
+    trainable_total = p_t + (2.0 * model.layers * st.meft_neurons * model.hidden if method == "meft" else 0.0)
+
+    sharded_w = engine == "zero3"
+    shard_g = engine in ("zero2", "zero3", "sgo")
+    shard_o = engine != "ddp"
+    off_opt = st.offload != "none"
+    off_par = st.offload == "optimizer+params"
+    fsdp = bool(st.fsdp)
+
+    weights_all = frozen_bytes + p_t * w_b  # one full copy of the model's weights as stored
+    weights = weights_all / n if sharded_w else weights_all
+    if method == "qlora":
+        weights += nums.largest_linear * 2.0  # one linear dequantised to 16-bit at a time
+    grads = p_t * g_b / (n if shard_g else 1)
+    optim = p_t * o_b / (n if shard_o else 1)
+    cpu_opt = cpu_grads = cpu_params = 0.0
+    if off_opt:
+        cpu_opt, optim = optim, 0.0
+        cpu_grads = p_t * 4.0 / n  # fp32 gradient partition where the CPU optimizer reads it
+        grads = 0.0 if shard_g or engine == "zero1" else grads
+    if off_par:
+        cpu_params = weights_all / n * (2.0 if fsdp and w_b == 2.0 else 1.0)  # FSDP keeps offloaded params in fp32
+        weights = 0.0
+
+    # ---- activations, logits, adapters -------------------------------------------------------------
+    gc = st.gradient_checkpointing
+    attention = st.attention
+    acts = M.activation_bytes(model, s, b, e, attention, gc, p)
+    logits = M.logits_bytes(model, s, b, prec, p)
+    lora_int = 0.0
+    if adapter_params:
+        lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p)
+    meft_buf = 0.0
+    rows = 0.0
+    if method == "meft":
+        rows = M.meft_rows(model, st.meft_neurons, st.meft_top_k, b, s, p)
+        buffers = p.meft_live_buffers * rows * model.hidden * 2.0 * e
+        held = p.checkpoint_extra_layers if gc else model.layers
+        meft_buf = buffers + held * b * s * rows * e
+
+    # ---- engine buffers -------------------------------------------------------------------------
+    h2 = float(model.hidden) ** 2
+    gathered = comm = 0.0
+    if engine == "zero3":
+        per_param = weights_all / P
+        gathered = max(p.gathered_layers * nums.layer_params, model.embedding_parameters) * per_param
+        if not fsdp:
+            comm = min(p.zero3_prefetch_per_h2 * h2, P) * per_param + min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+        else:
+            comm = min(nums.layer_params, p_t) * g_b  # one layer's unsharded grads before reduce-scatter
+    elif engine == "sgo":
+        comm = min(nums.layer_params, p_t) * g_b
+    elif engine in ("zero1", "zero2"):
+        comm = (2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+                + min(p.zero_allgather_bucket_elements, p_t) * w_b)
+    elif n > 1:
+        comm = p_t * g_b * p.ddp_bucket_copy
+
+    formula = weights + grads + optim + acts + logits + lora_int + meft_buf + gathered + comm
+    cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
+    nccl = p.nccl_buffer_bytes if (n > 1 and not gpu.is_cpu) else 0.0
+    frag = formula * p.fragmentation
+    overhead = cuda_ctx + nccl + frag
+    gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
+                 "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
+                 "gathered_params": gathered, "comm_buffers": comm, "overhead": overhead,
+                 "total": formula + overhead}
+
+    # ---- CPU RAM per node ------------------------------------------------------------------------
+    procs = 1 if gpu.is_cpu else per_node
+    meft_store = 2.0 * model.layers * st.meft_neurons * model.hidden * 16.0 if method == "meft" else 0.0
+    pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") else 0.0
+    steady = procs * (cpu_opt + cpu_grads + cpu_params + pinned + meft_store)
+    load_b = 4.0 if prec == "fp32" else 2.0
+    if gpu.is_cpu:
+        loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
+    elif engine == "zero3" and not fsdp or method == "qlora":
+        loading = procs * p.checkpoint_shard_bytes  # zero.Init / device_map: one shard at a time
+    elif st.fsdp == "full_shard":
+        loading = P * load_b  # cpu_ram_efficient_loading: rank 0 materialises one copy per node
+    else:
+        loading = procs * P * load_b  # every process builds a full copy before moving it to its GPU
+    baseline = procs * p.process_baseline_bytes
+    cpu_total = baseline + max(steady, loading)
+    cpu_lines = {"process_baseline": baseline, "model_loading": loading, "offloaded_optimizer": procs * cpu_opt,
+                 "offloaded_gradients": procs * cpu_grads, "offloaded_params": procs * cpu_params,
+                 "pinned_buffers": procs * pinned, "meft_store": procs * meft_store, "total": cpu_total}
+
+    # ---- time -----------------------------------------------------------------------------------
+    tokens_micro = float(b) * s
+    eff = T.effective_flops(hardware, prec, tokens_micro, p)
+    adapter_fpt = 0.0
+    if method == "meft":
+        adapter_fpt = 12.0 * model.hidden * rows * model.layers / max(tokens_micro, 1.0)
+    dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", adapter_params, gc, adapter_fpt)
+    if method == "meft":
+        adapter += 0.0
+    slow_dense = p.qlora_dequant_slowdown if method == "qlora" else 1.0
+    slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
+    compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff
+    floor_flops = dense + attn + adapter
+    peak = gpu.fp32_flops if (prec == "fp32" or gpu.is_cpu) else gpu.peak_flops
+    floor_s = floor_flops / peak
+
+    cbytes = T.comm_bytes(engine, P, weights_all, p_t, g_b, w_b, ga, gc) if n > 1 else 0.0
+    comm_s = T.collective_seconds(cbytes, hardware, p)
+    exposed_comm = comm_s * (1.0 - T.overlap_for(engine, p))
+    pcie_b = 0.0
+    cpu_opt_s = 0.0
+    gpu_opt_s = 0.0
+    if off_opt:
+        pcie_b += ga * p_t / n * g_b + p_t / n * w_b
+        cpu_opt_s = (p_t / n) / p.cpu_adam_params_per_second
+    else:
+        gpu_opt_s = p_t / (n if shard_o else 1) * p.gpu_optimizer_seconds_per_param
+    if off_par:
+        pcie_b += ga * (3.0 if gc else 2.0) * weights_all / n
+    offload_s = T.pcie_seconds(pcie_b, hardware, p) * (1.0 - p.overlap_offload)
+    traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
+    meft_s = 0.0
+    if method == "meft":
+        mt = meft_traffic_bytes(model, st, p)
+        traffic["h2d"], traffic["d2h"] = mt["h2d"], mt["d2h"]
+        experts = M.meft_experts(st.meft_neurons, st.meft_experts)
+        search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
+        cpu_search = ga * tokens_micro * model.layers * search / p.meft_cpu_flops
+        cpu_update = ga * model.layers * 2.0 * rows * model.hidden / p.cpu_adam_params_per_second
+        meft_s = T.pcie_seconds(mt["h2d"] + mt["d2h"], hardware, p) * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    step = compute_s + exposed_comm + offload_s + cpu_opt_s + gpu_opt_s + meft_s
+    time = {"step_seconds": step, "tokens_per_second": n * b * ga * s / step if step > 0 else 0.0,
+            "compute_seconds": compute_s, "comm_seconds": comm_s, "comm_exposed_seconds": exposed_comm,
+            "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "gpu_optimizer_seconds": gpu_opt_s,
+            "meft_seconds": meft_s, "flops_per_gpu": floor_flops, "dense_flops": dense, "attention_flops": attn,
+            "adapter_flops": adapter, "achieved_flops_per_second": eff}
+
+    # ---- verdict --------------------------------------------------------------------------------
+    usable = gpu.memory_bytes * (1.0 - margin)
+    gpu_total = gpu_lines["total"]
+    if gpu.is_cpu:
+        need = gpu_total + cpu_total
+        if need > usable:
+            reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {gpu_total / 1e9:.2f} + process/offload "
+                           f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; over by {(need - usable) / 1e9:.2f} GB")
+    else:
+        if gpu_total > usable:
+            reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
+                           f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
+        if cpu_total > hardware.cpu_ram_bytes:
+            reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
+                           f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
+        if prec in ("bf16-mixed", "bf16") and not gpu.bf16:
+            reasons.append(f"precision {prec}: {gpu.name} has no bf16; use fp16-mixed or fp32")
+        if attention == "fa2" and not gpu.fa2:
+            reasons.append(f"attention fa2: {gpu.name} has no FlashAttention-2 (needs Ampere or newer); use sdpa")
+    if gpu.is_cpu and attention == "fa2":
+        reasons.append("attention fa2: FlashAttention-2 needs a CUDA GPU; on CPU use sdpa")
+    floor_mem = (frozen_bytes if method != "full" else P * w_b) / (n if sharded_w else 1)
+    return Estimate(model=model, hardware=hardware, strategy=st, gpu=gpu_lines,
+                    gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
+                    cpu=cpu_lines, cpu_phase="loading" if loading > steady else "training", time=time,
+                    traffic=traffic, fits=not reasons, reasons=reasons, trainable_parameters=trainable_total,
+                    floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable)

@@ -1,0 +1,142 @@
+"""Bytes per GPU and per node's CPU RAM for one training step, by component.
+
+Conventions: ``e`` = bytes of an activation element (2 in 16-bit, 4 in fp32); b = micro-batch,
+s = sequence length, h = hidden, L = layers, N = world size. Every free constant comes from
+:class:`memfit.estimate.constants.Profile`. These functions return plain floats/dicts and are called
+thousands of times by the planner: keep them free of object construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.estimate.constants import Profile
+from memfit.spec.model import ModelSpec
+
+# bytes per *trainable* parameter: (weights, gradients, optimizer incl. fp32 master) by precision/optimizer
+# ZeRO paper convention for mixed precision: 2 + 2 + K (K = 12 for Adam: fp32 master, momentum, variance).
+_STATE_BYTES = {
+    ("fp32", "adamw"): (4.0, 4.0, 8.0), ("fp32", "adamw8bit"): (4.0, 4.0, 2.0), ("fp32", "sgd"): (4.0, 4.0, 4.0),
+    ("mixed", "adamw"): (2.0, 2.0, 12.0), ("mixed", "adamw8bit"): (2.0, 2.0, 6.0), ("mixed", "sgd"): (2.0, 2.0, 8.0),
+    ("bf16", "adamw"): (2.0, 2.0, 4.0), ("bf16", "adamw8bit"): (2.0, 2.0, 2.0), ("bf16", "sgd"): (2.0, 2.0, 2.0),
+}
+_PREC_KIND = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "bf16": "bf16"}
+
+
+def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes per trainable parameter."""
+    return _STATE_BYTES[(_PREC_KIND[precision], optimizer)]
+
+
+class ModelNumbers:
+    """Per-model constants precomputed once (the planner calls estimate() thousands of times)."""
+
+    __slots__ = ("model", "tok_fixed", "tok_mlp", "q_kv_sdpa", "q_kv_eager", "attn_out", "norm_rms_extra",
+                 "n_norms", "final_norm", "heads", "linear_params", "other_params", "layer_params",
+                 "largest_linear", "dropout_mask")
+
+    def __init__(self, m: ModelSpec) -> None:
+        self.model = m
+        h = m.hidden
+        # elements (multiply by e) saved per token per layer, apart from norms:
+        self.q_kv_sdpa = m.q_dim + 2 * m.kv_dim  # q, k after RoPE and v, as the attention kernel saves them
+        self.q_kv_eager = 3 * m.q_dim  # eager attention expands GQA k/v to all heads (repeat_kv) before matmul
+        self.attn_out = 2 * m.q_dim  # kernel output + the contiguous copy o_proj saves
+        self.tok_mlp = (4 if m.mlp == "swiglu" else 2) * m.intermediate  # swiglu: gate, act(gate), up, product
+        self.n_norms = m.norms_per_layer
+        # RMSNorm (HF) upcasts to fp32 and saves that (4 B) plus its output (e); LayerNorm saves input+output (2e)
+        self.norm_rms_extra = m.norm == "rmsnorm"
+        self.final_norm = 1
+        self.dropout_mask = 2 * h if m.hidden_dropout > 0 else 0
+        self.heads = m.heads
+        self.linear_params = m.linear_layer_parameters
+        self.other_params = m.parameters - self.linear_params
+        self.layer_params = m.layer_parameters
+        self.largest_linear = max(lin.in_features * lin.out_features for lin in m.linears)
+        self.tok_fixed = h
+
+
+_CACHE: dict[int, ModelNumbers] = {}
+
+
+def numbers(model: ModelSpec) -> ModelNumbers:
+    hit = _CACHE.get(id(model))
+    if hit is None or hit.model is not model:
+        hit = ModelNumbers(model)
+        _CACHE[id(model)] = hit
+    return hit
+
+
+def norm_bytes_per_token(model: ModelSpec, e: float) -> float:
+    """Bytes one norm saves per token: RMSNorm (fp32 copy 4 + output e), LayerNorm (input e + output e)."""
+    return model.hidden * ((4.0 + e) if model.norm == "rmsnorm" else 2.0 * e)
+
+
+def layer_activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str) -> float:
+    """Bytes one decoder layer saves for backward, derived from the HF block structure.
+
+    Per token: norms + q/k/v as the attention kernel keeps them + attention output (twice) + MLP
+    (SwiGLU 4·f, GeLU 2·f values). Eager adds the score matrices: fp32 softmax (4 B) and its cast (e)
+    per head and query-key pair (+ a 1-byte dropout mask and its output if attention dropout > 0).
+    Flash / memory-efficient SDPA keep only a fp32 log-sum-exp per head and token.
+    """
+    n = numbers(model)
+    norms = n.n_norms * norm_bytes_per_token(model, e)
+    if attention == "eager":
+        per_tok = norms + e * (n.q_kv_eager + n.attn_out + n.tok_mlp) + (1 + e) * n.dropout_mask
+        score = 4.0 + (e if e != 4.0 else 0.0) + ((1.0 + e) if model.attention_dropout > 0 else 0.0)
+        return b * s * per_tok + b * n.heads * float(s) * s * score
+    per_tok = norms + e * (n.q_kv_sdpa + n.attn_out + n.tok_mlp) + (1 + e) * n.dropout_mask + 4.0 * n.heads
+    return b * s * per_tok
+
+
+def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) -> float:
+    """GPT-style count (Korthikanti et al. 2022, eq. 1): s·b·h·(34 + 5·a·s/h); fused kernels drop the s² term."""
+    h = model.hidden
+    base = 34.0 * s * b * h
+    return base + (5.0 * model.heads * s * s * b if attention == "eager" else 0.0)
+
+
+def activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
+                     profile: Profile) -> float:
+    """All layers' saved activations (+ final norm / head input); with checkpointing the layer inputs
+    plus ``checkpoint_extra_layers`` layers' full working set during recomputation."""
+    if profile.activation_korthikanti:
+        layer = korthikanti_layer_bytes(model, s, b, attention)
+        tail = 0.0
+    else:
+        layer = layer_activation_bytes(model, s, b, e, attention)
+        tail = b * s * (norm_bytes_per_token(model, e) + e * model.hidden)
+    if checkpointing:
+        total = model.layers * e * b * s * model.hidden + profile.checkpoint_extra_layers * layer + tail
+    else:
+        total = model.layers * layer + tail
+    return total * profile.activation_scale
+
+
+def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile) -> float:
+    """b·s·V values at the loss peak (half logits, fp32 upcast log-softmax and its gradient)."""
+    per = profile.logits_bytes_fp32 if precision == "fp32" else profile.logits_bytes_16bit
+    return float(b) * s * model.vocab * per
+
+
+def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,
+                            checkpointing: bool, profile: Profile) -> float:
+    """Per adapted linear: the rank-r intermediate (e·s·b·r) and, with lora_dropout > 0, the dropped
+    input copy and its mask ((e + 1)·s·b·in). With checkpointing only the recomputed layer(s) hold them."""
+    per_layer = 0.0
+    for lin in model.lora_linears(targets):
+        per_layer += e * r + ((e + 1.0) * lin.in_features if dropout > 0 else 0.0)
+    per_layer *= b * s
+    layers = profile.checkpoint_extra_layers if checkpointing else model.layers
+    return per_layer * layers
+
+
+def meft_rows(model: ModelSpec, neurons: int, top_k: int, b: int, s: int, profile: Profile) -> float:
+    """Distinct adapter rows (β·K) a micro-batch activates per layer: the top-K union over b·s tokens,
+    capped by the device buffer (``meft_buffer_fraction`` of the neurons)."""
+    return float(min(neurons * profile.meft_buffer_fraction, top_k * b * s, neurons))
+
+
+def meft_experts(neurons: int, experts) -> int:
+    return int(math.ceil(math.sqrt(neurons))) if experts == "auto" else int(experts)

@@ -1,0 +1,242 @@
+"""GPU catalog and hardware pools: ``8xV100-32GB``, ``2x8xA100-80GB``, ``RTX4090-24GB``, ``local``.
+
+Plain Python (no torch). Units: bytes and bytes/s (decimal), FLOP/s. A catalog GPU's memory is its
+marketing size read as GiB (``V100-32GB`` → 32 GiB = 34.36e9 B), which is what the driver reports
+within ~1 % for these parts. Bandwidths are one direction, as a collective sees them.
+``peak_flops`` is the dense 16-bit tensor-core rate (bf16, or fp16 on parts without bf16) from the
+vendor data sheets; ``fp32_flops`` the plain fp32 (non-tensor) rate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from memfit.errors import ConfigError
+
+GiB = 1 << 30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int
+    bf16: bool
+    fa2: bool
+    peak_flops: float  # dense 16-bit tensor FLOP/s
+    fp32_flops: float
+    intra_node_bandwidth: float  # bytes/s per GPU, one direction (NVLink, or PCIe peer-to-peer)
+    pcie_bandwidth: float  # bytes/s host<->device, one direction
+    is_cpu: bool = False
+
+
+def _gpu(name, gib, bf16, fa2, tflops, fp32_tflops, intra_gbs, pcie_gbs) -> GpuSpec:
+    return GpuSpec(name, int(gib * GiB), bf16, fa2, tflops * 1e12, fp32_tflops * 1e12, intra_gbs * GB, pcie_gbs * GB)
+
+
+# name: memory(GiB), bf16, FlashAttention-2, dense 16-bit TFLOP/s, fp32 TFLOP/s, intra-node GB/s, PCIe GB/s
+# Sources: NVIDIA data sheets (dense, i.e. without the 2:4 sparsity factor); NVLink per direction:
+# V100 SXM2 150, A100 SXM 300, H100/H200 SXM 450; boards without NVLink use PCIe (gen3 16, gen4 32,
+# gen5 64 GB/s theoretical). FA2 needs Ampere or newer (sm80+); bf16 needs Ampere or newer.
+CATALOG: dict[str, GpuSpec] = {g.name: g for g in (
+    _gpu("V100-16GB", 16, False, False, 125, 15.7, 150, 16),
+    _gpu("V100-32GB", 32, False, False, 125, 15.7, 150, 16),
+    _gpu("T4-16GB", 16, False, False, 65, 8.1, 16, 16),
+    _gpu("A10G-24GB", 24, True, True, 70, 31.2, 32, 32),
+    _gpu("L4-24GB", 24, True, True, 121, 30.3, 32, 32),
+    _gpu("A100-40GB", 40, True, True, 312, 19.5, 300, 32),
+    _gpu("A100-80GB", 80, True, True, 312, 19.5, 300, 32),
+    _gpu("H100-80GB", 80, True, True, 989, 67, 450, 64),
+    _gpu("H100-PCIe-80GB", 80, True, True, 756, 51, 64, 64),
+    _gpu("H200-141GB", 141, True, True, 989, 67, 450, 64),
+    _gpu("RTX3090-24GB", 24, True, True, 71, 35.6, 32, 32),
+    _gpu("RTX4090-24GB", 24, True, True, 165, 82.6, 32, 32),
+    _gpu("A5000-24GB", 24, True, True, 111, 27.8, 32, 32),
+    _gpu("A6000-48GB", 48, True, True, 155, 38.7, 32, 32),
+    _gpu("L40S-48GB", 48, True, True, 362, 91.6, 32, 32),
+)}
+
+DEFAULT_INTER_NODE_BANDWIDTH = 12.5 * GB  # 100 Gb/s InfiniBand / RoCE per node, one direction
+CPU_FLOPS_PER_CORE = 32e9  # ~2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x ~2 GHz; a rough order of magnitude
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A pool: ``nodes`` × ``gpus_per_node`` identical devices; ``cpu_ram_bytes`` is per node."""
+
+    gpu: GpuSpec
+    gpus_per_node: int = 1
+    nodes: int = 1
+    cpu_ram_bytes: int = 64 * GiB
+    inter_node_bandwidth: float = DEFAULT_INTER_NODE_BANDWIDTH
+    cpu_ram_given: bool = False
+    label: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def describe(self) -> str:
+        pool = f"{self.gpus_per_node}x{self.gpu.name}"
+        return f"{self.nodes}x{pool}" if self.nodes > 1 else pool
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int | float, what: str = "size") -> int:
+    """``'128GB'`` → 128e9 bytes (decimal), ``'64GiB'`` → 64·2³⁰, ``'512MB'``, plain numbers are bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"{what}: {text} is negative; give a size such as 128GB or 64GiB")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(
+            f"{what}: cannot read {text!r}; write a number with a unit such as 128GB, 64GiB, 512MB"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name).upper().replace("NVIDIA", "").replace("GEFORCE", "").replace("RTXA", "A")
+
+
+def catalog_names() -> list[str]:
+    return list(CATALOG)
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """A catalog GPU by name, case- and dash-insensitive; a bare model (``H100``) if unambiguous."""
+    key = _norm(name)
+    for gpu in CATALOG.values():
+        if _norm(gpu.name) == key:
+            return gpu
+    prefix = [g for g in CATALOG.values() if _norm(g.name).startswith(key) and key]
+    exact_base = [g for g in prefix if _norm(g.name.rsplit("-", 1)[0]) == key]
+    if len(exact_base) == 1:
+        return exact_base[0]
+    if key in ("CPU", "LOCALCPU"):
+        return cpu_device()
+    raise ConfigError(
+        f"unknown GPU {name!r}; catalog: {', '.join(CATALOG)} (write e.g. 8xV100-32GB or 2x8xA100-80GB)"
+    )
+
+
+def _meminfo_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def cpu_device() -> GpuSpec:
+    """This machine's CPU as a pseudo-device: memory = RAM, FLOP/s from the core count (rough)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    flops = cores * CPU_FLOPS_PER_CORE
+    return GpuSpec("CPU", _meminfo_bytes(), True, False, flops, flops, 10 * GB, 10 * GB, is_cpu=True)
+
+
+def _nvidia_smi() -> list[tuple[str, int]]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[1].isdigit():
+            rows.append((parts[0], int(parts[1]) * (1 << 20)))
+    return rows
+
+
+def _match_detected(name: str, memory: int) -> GpuSpec:
+    key = _norm(name)
+    best = None
+    for gpu in CATALOG.values():
+        base = _norm(gpu.name.rsplit("-", 1)[0])
+        if base in key and (best is None or abs(gpu.memory_bytes - memory) < abs(best.memory_bytes - memory)):
+            best = gpu
+    if best is None:  # unknown board: keep its memory, assume a mid-range Ampere part
+        best = CATALOG["A10G-24GB"]
+        return replace(best, name=name.replace(" ", "-"), memory_bytes=memory)
+    return replace(best, memory_bytes=memory)
+
+
+def detect_local(cpu_ram: Optional[int] = None) -> HardwareSpec:
+    """CUDA devices via nvidia-smi when present, otherwise the CPU and its RAM."""
+    ram = cpu_ram if cpu_ram is not None else _meminfo_bytes()
+    rows = _nvidia_smi()
+    if rows:
+        gpu = _match_detected(*rows[0])
+        return HardwareSpec(gpu, gpus_per_node=len(rows), nodes=1, cpu_ram_bytes=ram,
+                            cpu_ram_given=cpu_ram is not None, label="local")
+    dev = cpu_device()
+    if cpu_ram is not None:
+        dev = replace(dev, memory_bytes=cpu_ram)
+    return HardwareSpec(dev, 1, 1, ram, cpu_ram_given=cpu_ram is not None, label="local")
+
+
+def default_cpu_ram(gpu: GpuSpec, gpus_per_node: int) -> int:
+    """Assumed host RAM per node when --cpu-ram is not given: 2× the node's GPU memory, at least 64 GiB."""
+    return max(64 * GiB, 2 * gpu.memory_bytes * gpus_per_node)
+
+
+def parse_hardware(text: str, cpu_ram: Optional[str | int] = None, nodes: Optional[int] = None) -> HardwareSpec:
+    """``'8xV100-32GB'``, ``'2x8xV100-32GB'`` (nodes × GPUs), ``'V100-32GB'`` (1 GPU), ``'local'``."""
+    ram = None if cpu_ram is None else parse_size(cpu_ram, "--cpu-ram")
+    if ram is not None and ram <= 0:
+        raise ConfigError("--cpu-ram must be positive, e.g. 128GB")
+    if nodes is not None and (not isinstance(nodes, int) or nodes < 1):
+        raise ConfigError(f"--nodes must be a positive integer, got {nodes!r}")
+    raw = str(text).strip()
+    if raw.lower() in ("local", "auto"):
+        hw = detect_local(ram)
+        return replace(hw, nodes=nodes) if nodes else hw
+    m = re.fullmatch(r"(?:(-?\d+)\s*[xX*]\s*)?(?:(-?\d+)\s*[xX*]\s*)?(.+)", raw)
+    if not m or not m.group(3).strip():
+        raise ConfigError(f"hardware {raw!r}: write NxGPU such as 8xV100-32GB; catalog: {', '.join(CATALOG)}")
+    a, b, name = m.group(1), m.group(2), m.group(3).strip()
+    if b is not None:
+        n_nodes, per_node = int(a), int(b)
+    else:
+        n_nodes, per_node = 1, int(a) if a is not None else 1
+    if per_node < 1 or n_nodes < 1:
+        raise ConfigError(
+            f"hardware {raw!r}: GPU and node counts must be positive integers (e.g. 8xV100-32GB, "
+            f"2x8xV100-32GB); catalog: {', '.join(CATALOG)}"
+        )
+    if name.startswith("-") or name[:1].isdigit() and "x" in name.lower()[:4]:
+        raise ConfigError(f"hardware {raw!r}: cannot read the counts; write e.g. 8xV100-32GB")
+    gpu = find_gpu(name)
+    if nodes is not None:
+        if b is not None and nodes != n_nodes:
+            raise ConfigError(f"hardware {raw!r} says {n_nodes} nodes but --nodes {nodes}; give one of them")
+        n_nodes = nodes
+    if gpu.is_cpu:
+        per_node = 1
+    node_ram = ram if ram is not None else (gpu.memory_bytes if gpu.is_cpu else default_cpu_ram(gpu, per_node))
+    return HardwareSpec(gpu, per_node, n_nodes, node_ram, cpu_ram_given=ram is not None, label=raw)

@@ -1,0 +1,61 @@
+"""Hardware strings, the catalog, local detection and sizes."""
+
+import pytest
+
+from memfit.errors import MemfitError
+from memfit.spec.hardware import CATALOG, GiB, parse_hardware, parse_size
+
+
+def test_pool_strings():
+    hw = parse_hardware("8xV100-32GB")
+    assert (hw.gpus_per_node, hw.nodes, hw.world_size) == (8, 1, 8)
+    assert hw.gpu.memory_bytes == 32 * GiB and not hw.gpu.bf16 and not hw.gpu.fa2
+    hw = parse_hardware("2x8xV100-32GB")
+    assert (hw.nodes, hw.gpus_per_node, hw.world_size) == (2, 8, 16)
+    hw = parse_hardware("V100-32GB")
+    assert hw.world_size == 1
+    assert parse_hardware("8xV100-32GB", nodes=2).world_size == 16
+    assert parse_hardware("2xrtx 4090-24gb").gpu.name == "RTX4090-24GB"
+    assert parse_hardware("H100").gpu.name == "H100-80GB"
+
+
+def test_cpu_ram():
+    hw = parse_hardware("2xRTX3090-24GB", cpu_ram="128GB")
+    assert hw.cpu_ram_bytes == 128 * 10**9 and hw.cpu_ram_given
+    # default: 2x the node's GPU memory, at least 64 GiB
+    assert parse_hardware("8xV100-32GB").cpu_ram_bytes == 512 * GiB
+    assert parse_hardware("T4-16GB").cpu_ram_bytes == 64 * GiB
+
+
+def test_catalog_covers_issue():
+    for name in ("V100-16GB", "V100-32GB", "T4-16GB", "A10G-24GB", "L4-24GB", "A100-40GB", "A100-80GB",
+                 "H100-80GB", "H200-141GB", "RTX3090-24GB", "RTX4090-24GB", "A5000-24GB", "A6000-48GB"):
+        g = CATALOG[name]
+        assert g.peak_flops > g.fp32_flops > 0 and g.pcie_bandwidth > 0
+    assert CATALOG["A100-80GB"].peak_flops == 312e12
+
+
+@pytest.mark.parametrize("text", ["8xFOO", "0xA100-80GB", "-1xV100-32GB", "A100", "8x", "3x0xT4-16GB"])
+def test_bad_strings(text):
+    with pytest.raises(MemfitError) as err:
+        parse_hardware(text)
+    msg = str(err.value)
+    assert "V100-32GB" in msg and "\n" not in msg
+
+
+def test_local_detects_something():
+    hw = parse_hardware("local")
+    assert hw.world_size >= 1 and hw.gpu.memory_bytes > 0 and hw.cpu_ram_bytes > 0
+    assert parse_hardware("local", cpu_ram="8GiB").cpu_ram_bytes == 8 * GiB
+
+
+@pytest.mark.parametrize("text, value", [("128GB", 128e9), ("64GiB", 64 * GiB), ("512MB", 512e6),
+                                         ("1.5TB", 1.5e12), ("1000", 1000), (2048, 2048)])
+def test_parse_size(text, value):
+    assert parse_size(text) == int(value)
+
+
+@pytest.mark.parametrize("text", ["12 parsecs", "GB", "-5GB", ""])
+def test_parse_size_errors(text):
+    with pytest.raises(MemfitError, match="128GB"):
+        parse_size(text)
