@@ -50,11 +50,13 @@ class Profile:
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)
     nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 (memory-model.md: 1–2 GiB incl. streams)
     fragmentation: float = 0.08  # caching-allocator fragmentation: reserved − allocated, as a fraction of the formula lines (5–20 %)
+    fragmentation_cpu: float = 0.0  # CPU pseudo-device: no caching-allocator gap (glibc's RSS excess is in process_baseline_bytes)
     ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
     zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
     zero_allgather_bucket_elements: float = 2e8  # DeepSpeed allgather_bucket_size (elements) for ZeRO-1/2
     zero3_prefetch_per_h2: float = 0.9  # stage3_prefetch_bucket_size = 0.9·h² elements (HF 'auto')
-    gathered_layers: float = 2.0  # ZeRO-3 / full_shard: full layers live at once (current + prefetched)
+    gathered_layers: float = 2.0  # FSDP full_shard: wrapped decoder layers gathered at once (current + prefetched)
+    zero3_max_live_parameters: float = 1e9  # DeepSpeed stage3_max_live_parameters (default) caps gathered elements
     # ---- frozen weights -----------------------------------------------------------------------------
     nf4_bytes_per_param: float = 0.5  # 4-bit NF4 codes
     nf4_absmax_bytes: float = 0.0625  # one fp32 absmax per 64-value block

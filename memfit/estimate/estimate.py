@@ -196,11 +196,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     gathered = comm = 0.0
     if engine == "zero3":
         per_param = weights_all / P
-        gathered = max(p.gathered_layers * nums.layer_params, model.embedding_parameters) * per_param
-        if not fsdp:
-            comm = min(p.zero3_prefetch_per_h2 * h2, P) * per_param + min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
-        else:
+        if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
+            live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
             comm = min(nums.layer_params, p_t) * g_b  # one layer's unsharded grads before reduce-scatter
+        else:  # DeepSpeed gathers module by module: the current one + the prefetch bucket, capped by max_live
+            live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters),
+                       max(p.zero3_max_live_parameters, nums.largest_linear))
+            comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+        gathered = min(live, P) * per_param
     elif engine == "sgo":
         comm = min(nums.layer_params, p_t) * g_b
     elif engine in ("zero1", "zero2"):
@@ -212,7 +215,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     formula = weights + grads + optim + acts + logits + lora_int + meft_buf + gathered + comm
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
     nccl = p.nccl_buffer_bytes if (n > 1 and not gpu.is_cpu) else 0.0
-    frag = formula * p.fragmentation
+    frag = formula * (p.fragmentation_cpu if gpu.is_cpu else p.fragmentation)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
@@ -301,12 +304,6 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         if cpu_total > hardware.cpu_ram_bytes:
             reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
                            f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
-        if prec in ("bf16-mixed", "bf16") and not gpu.bf16:
-            reasons.append(f"precision {prec}: {gpu.name} has no bf16; use fp16-mixed or fp32")
-        if attention == "fa2" and not gpu.fa2:
-            reasons.append(f"attention fa2: {gpu.name} has no FlashAttention-2 (needs Ampere or newer); use sdpa")
-    if gpu.is_cpu and attention == "fa2":
-        reasons.append("attention fa2: FlashAttention-2 needs a CUDA GPU; on CPU use sdpa")
     floor_mem = (frozen_bytes if method != "full" else P * w_b) / (n if sharded_w else 1)
     return Estimate(model=model, hardware=hardware, strategy=st, gpu=gpu_lines,
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},

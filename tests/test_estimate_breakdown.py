@@ -1,0 +1,117 @@
+"""Hand-computed breakdowns for a tiny Llama config (every figure worked out in the comments)."""
+
+import pytest
+
+from memfit.estimate import Profile, estimate, meft_traffic_bytes
+from memfit.spec.hardware import parse_hardware
+from memfit.spec.model import model_from_config
+from memfit.spec.strategy import Strategy
+
+# h=64, heads=4 (head_dim 16), kv_heads=2 (kv_dim 32), f=128, L=2, V=100, untied -> P = 86,848
+TINY = model_from_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "vocab_size": 100}, name="tiny")
+GPU1 = parse_hardware("A100-80GB")
+PROFILE = Profile(cuda_context_bytes=1e6, fragmentation=0.1)
+BASE = dict(method="full", seq_len=8, micro_batch_size=1, precision="bf16-mixed", attention="sdpa")
+
+
+def run(**kw):
+    return estimate(TINY, GPU1, Strategy(**{**BASE, **kw}), profile=PROFILE)
+
+
+def test_full_bf16_sdpa():
+    est = run()
+    g = est.gpu
+    assert TINY.parameters == 86_848
+    assert g["weights"] == 2 * 86_848 and g["gradients"] == 2 * 86_848 and g["optimizer"] == 12 * 86_848
+    # per token per layer: 2 RMSNorms (4 + 2)*64 = 768; 2 B x (q 64 + k 32 + v 32 + attn out 2*64
+    # + SwiGLU 4*128) = 1536; fp32 log-sum-exp 4 B x 4 heads = 16 -> 2320; x 8 tokens x 2 layers = 37,120
+    # tail: final norm 6*64 + head input 2*64 = 512 per token x 8 = 4,096 -> 41,216
+    assert g["activations"] == 41_216
+    assert g["logits"] == 8 * 100 * 10  # half 2 + fp32 log-softmax 4 + fp32 grad 4 per logit
+    assert g["comm_buffers"] == 0 and g["gathered_params"] == 0  # one GPU: no DDP
+    formula = 4 * 86_848 + 12 * 86_848 + 41_216 + 8_000
+    assert g["overhead"] == pytest.approx(1e6 + 0.1 * formula)
+    assert g["total"] == pytest.approx(formula * 1.1 + 1e6)
+
+
+def test_eager_adds_scores_and_expanded_kv():
+    # q,k,v expanded to 3*64 (+64 elements = +128 B vs sdpa), no lse (-16): 2432 per token;
+    # scores 4 heads x 8 x 8 x (fp32 softmax 4 + bf16 copy 2) = 1536 per layer
+    # (8*2432 + 1536) * 2 layers + tail 4096 = 46,080
+    assert run(attention="eager").gpu["activations"] == 46_080
+
+
+def test_checkpointing():
+    # layer inputs 2 layers x 2 B x 8 x 64 = 2048 + one layer's working set 8*2320 = 18,560 + tail 4096
+    assert run(gradient_checkpointing=True).gpu["activations"] == 2048 + 18_560 + 4096
+
+
+def test_lora_counts_and_intermediates():
+    est = run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), lora_dropout=0.05)
+    # trainable 2 layers x 4 x ((64+64) + (64+32)) = 1792
+    assert est.trainable_parameters == 1792
+    g = est.gpu
+    assert g["weights"] == 2 * 86_848 + 2 * 1792  # frozen bf16 + adapter
+    assert g["gradients"] == 2 * 1792 and g["optimizer"] == 12 * 1792
+    # per adapted linear and token: rank intermediate 2*4 + dropped input copy and mask (2+1)*64 = 200;
+    # 2 linears x 8 tokens x 2 layers = 6400
+    assert g["lora_intermediates"] == 6400
+    assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"),
+               lora_dropout=0.0).gpu["lora_intermediates"] == 2 * 8 * 2 * 8
+
+
+def test_fp32_everything_fp32():
+    est = run(precision="fp32")
+    g = est.gpu
+    assert (g["weights"], g["gradients"], g["optimizer"]) == (4 * 86_848, 4 * 86_848, 8 * 86_848)
+    # norms (4+4)*64*2 = 1024; 4 B x 768 = 3072; lse 16 -> 4112 per token; x16 = 65,792; tail 8*(512+256)
+    assert g["activations"] == 65_792 + 8 * (8 * 64 + 4 * 64)
+    assert g["logits"] == 8 * 100 * 12
+
+
+def test_qlora_weights():
+    est = run(method="qlora", lora_r=4, lora_targets=("q_proj",), double_quant=False)
+    linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192)  # 73,728 quantised values
+    other = 86_848 - linear  # embeddings, head, norms: fp32 after prepare_model_for_kbit_training
+    dequant = 64 * 128 * 2  # the largest linear dequantised to 16-bit while it runs
+    adapter = 2 * 4 * (64 + 64)
+    assert est.gpu["weights"] == pytest.approx(linear * (0.5 + 0.0625) + other * 4 + dequant + adapter * 2)
+
+
+def test_offload_moves_optimizer_to_cpu():
+    hw = parse_hardware("2xA100-80GB", cpu_ram="64GB")
+    est = estimate(TINY, hw, Strategy(**{**BASE, "zero_stage": 2, "offload": "optimizer"}), profile=PROFILE)
+    assert est.gpu["optimizer"] == 0 and est.gpu["gradients"] == 0
+    c = est.cpu
+    # each of the 2 processes holds half the 12 B/param state and a fp32 gradient partition
+    assert c["offloaded_optimizer"] == pytest.approx(2 * 12 * 86_848 / 2)
+    assert c["offloaded_gradients"] == pytest.approx(2 * 4 * 86_848 / 2)
+
+
+def test_meft_traffic_by_hand():
+    st = Strategy(**{**BASE, "method": "meft", "meft_neurons": 16, "meft_top_k": 2, "seq_len": 4})
+    prof = Profile(meft_buffer_fraction=0.25)
+    t = meft_traffic_bytes(TINY, st, prof)
+    # rows = min(0.25*16, K*b*s = 8, 16) = 4; per layer H2D 2*d*rows fp32 = 2*64*4*4 = 2048 -> x2 layers
+    assert t["h2d"] == 4096
+    # D2H: hidden b*s*d in bf16 = 4*64*2 = 512 per layer -> 1024, + gradients same as H2D 4096
+    assert t["d2h"] == 1024 + 4096
+    est = estimate(TINY, GPU1, st, profile=prof)
+    assert est.cpu["meft_store"] == 2 * 2 * 16 * 64 * 16  # W_K, W_V x layers x neurons x h x (param+grad+2 Adam) fp32
+    assert est.to_dict()["traffic"]["h2d"] == 4096
+    # experts auto = ceil(sqrt(16)) = 4: router 64 x 4 per layer, trained on the GPU
+    assert est.gpu["gradients"] == 2 * 2 * 64 * 4
+    assert est.trainable_parameters == 2 * 64 * 4 + 2 * 2 * 16 * 64
+
+
+def test_time_parts_by_hand():
+    prof = Profile(utilization=0.5, utilization_half_tokens=0.0, gpu_optimizer_seconds_per_param=0.0)
+    est = estimate(TINY, GPU1, Strategy(**BASE), profile=prof)
+    # matmul params = P - input embedding (6400) = 80,448; 6 x 80,448 x 8 tokens
+    dense = 6 * 80_448 * 8
+    attn = 3 * 4 * 8 * 8 * 64 * 2  # 4·s²·(heads·head_dim) per layer, fwd + bwd = x3, 2 layers
+    assert est.time["flops_per_gpu"] == dense + attn
+    assert est.step_seconds == pytest.approx((dense + attn) / (312e12 * 0.5))
+    assert est.to_dict()["floors"]["step_seconds"] == pytest.approx((dense + attn) / 312e12)
