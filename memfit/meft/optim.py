@@ -1,0 +1,137 @@
+"""MeftOptimizer: one torch optimizer a Hugging Face Trainer can drive.
+
+``param_groups[0]`` holds every layer's CPU tables (keys, values) and ``param_groups[1]`` the
+device-side router weights (if any); both carry ``lr`` etc., so LR schedulers work. ``step()``
+finishes the gradient copies still in flight, runs the lazy row-wise AdamW of ``store.sparse_adamw_``
+on the touched rows of each CPU table (untouched rows, their moments and step counts stay as they
+are), AdamW on the router weights, then clears all MEFT gradients: the CPU gradients and touched-row
+sets (the Trainer calls ``model.zero_grad()``, which does not see them) and the router's ``.grad``;
+and it closes the traffic window.
+Gradient accumulation: every backward adds into the CPU gradients, so the accumulation boundary is
+wherever the caller calls ``step()``. Gradient clipping by the Trainer covers the router only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError
+from memfit.meft.model import get_context
+from memfit.meft.store import dense_adamw_, sparse_adamw_
+
+
+class MeftOptimizer(torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0):
+        if lr <= 0:
+            raise ConfigError(f"MEFT optimizer: lr={lr} must be > 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ConfigError(f"MEFT optimizer: betas={betas} must each be in [0, 1)")
+        ctx = get_context(model)
+        self._ctx = ctx
+        self._layers = list(ctx.layers.values())
+        self._owner: dict[int, tuple] = {}
+        tables: list[torch.Tensor] = []
+        for a in self._layers:
+            for part in ("keys", "values"):
+                t = getattr(a.store, part)
+                tables.append(t)
+                self._owner[id(t)] = (a, part)
+        routers = [a.router.weight for a in self._layers if a.router is not None]
+        groups = [{"params": tables, "name": "meft_store"}]
+        if routers:
+            groups.append({"params": routers, "name": "meft_router"})
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    # ---- state -------------------------------------------------------------------------------------
+    def _table_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            pin = p.is_pinned()
+            st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
+            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
+            st["row_step"] = torch.zeros(p.shape[0], dtype=torch.int64)
+            a, _ = self._owner[id(p)]
+            a._optimizer_bytes = getattr(a, "_optimizer_bytes", 0) + 2 * p.numel() * 4 + p.shape[0] * 8
+        return st
+
+    def _router_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["step"] = torch.zeros((), dtype=torch.float32)
+        return st
+
+    def flush(self) -> None:
+        for a in self._layers:
+            if a.transfer is not None:
+                a.transfer.flush()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.flush()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            for p in group["params"]:
+                owner = self._owner.get(id(p))
+                if owner is None:  # router weight on the device
+                    if p.grad is not None:
+                        st = self._router_state(p)
+                        dense_adamw_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"], **hyper)
+                    continue
+                a, part = owner
+                rows = a.store.touched_rows()
+                if rows.numel() == 0:
+                    continue
+                st = self._table_state(p)
+                grad = a.store.grad_keys if part == "keys" else a.store.grad_values
+                sparse_adamw_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["row_step"], rows, **hyper)
+        # the step consumes all MEFT gradients, device ones included, so that a caller who zeroes
+        # only the model's gradients (the Trainer) or none at all never re-applies them
+        for a in self._layers:
+            a.store.zero_grad()
+            if a.router is not None:
+                a.router.weight.grad = None
+        self._ctx.traffic.close_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the router's gradients and the CPU gradients / touched rows (discarding in-flight ones)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.flush()
+        for a in self._layers:
+            a.store.zero_grad()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                owner = self._owner.get(id(p))
+                st = self.state.get(p)
+                if owner is None or not st:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = st[key].to(device="cpu", dtype=torch.float32)
+                    st[key] = t.pin_memory() if p.is_pinned() and not t.is_pinned() else t.contiguous()
+                st["row_step"] = st["row_step"].to(device="cpu", dtype=torch.int64)
+                a, _ = owner
+                a._optimizer_bytes = sum(
+                    2 * t.numel() * 4 + t.shape[0] * 8 for t in (a.store.keys, a.store.values)
+                    if self.state.get(t))
+
+
+def build_meft_optimizer(model: nn.Module, lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
+                         eps: float = 1e-8, weight_decay: float = 0.0) -> MeftOptimizer:
+    """The optimizer for a model prepared by add_meft (pass it to ``Trainer(optimizers=(opt, sched))``)."""
+    return MeftOptimizer(model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

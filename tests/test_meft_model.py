@@ -1,0 +1,101 @@
+"""MEFT on a tiny random Llama: training, save/load, optimizer checkpoint, import boundaries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memfit.errors import MemfitError
+from memfit.meft import (MeftConfig, add_meft, adapters, build_meft_optimizer, load_meft, meft_state,
+                         save_meft, traffic)
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(seed: int = 0):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+CFG = dict(neurons=256, top_k=16, experts="auto", n_probe=4, buffer_size=128)
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (2, 24), generator=g)
+
+
+def train(model, opt, ids, steps):
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tiny_llama_trains_with_meft_and_loss_falls():
+    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+    assert list(adapters(model)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    base_trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert base_trainable == ["model.layers.0.mlp.meft.router.weight", "model.layers.1.mlp.meft.router.weight"]
+    ids = batch()
+    with torch.no_grad():  # W_V starts at zero: the adapted model starts as the base model
+        before = model(input_ids=ids).logits
+        clean = tiny_llama()(input_ids=ids).logits
+    torch.testing.assert_close(before, clean)
+    opt = build_meft_optimizer(model, lr=1e-2)
+    losses = train(model, opt, ids, 30)
+    assert losses[-1] < losses[0] - 0.5, losses
+    state = meft_state(model)
+    assert state["layers"] == 2 and state["experts"] == 16
+    assert state["device_bytes"] == 2 * (2 * 128 * 64 * 4 + 16 * 64 * 4)  # fixed buffers + router
+    assert state["cpu_optimizer_bytes"] > 0 and traffic(model)["h2d"] > 0
+
+
+def test_save_load_gives_identical_outputs_and_optimizer_state_round_trips(tmp_path):
+    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+    opt = build_meft_optimizer(model, lr=1e-2, weight_decay=0.01)
+    ids = batch()
+    train(model, opt, ids, 3)
+    save_meft(model, tmp_path / "meft")
+    meta = json.loads((tmp_path / "meft" / "meft_config.json").read_text())
+    assert meta["config"]["neurons"] == 256 and not list((tmp_path / "meft").glob("*.tmp"))
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+
+    other = load_meft(tiny_llama(), tmp_path / "meft")  # adds the adapters from the saved config
+    with torch.no_grad():
+        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    opt2 = build_meft_optimizer(other, lr=1e-2, weight_decay=0.01)
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    train(model, opt, ids, 2)
+    train(other, opt2, ids, 2)
+    for name, a in adapters(model).items():
+        b = adapters(other)[name]
+        torch.testing.assert_close(b.store.keys, a.store.keys, rtol=0, atol=0)
+        torch.testing.assert_close(b.store.values, a.store.values, rtol=0, atol=0)
+        torch.testing.assert_close(b.router.weight, a.router.weight, rtol=0, atol=0)
+
+
+def test_load_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(MemfitError, match="meft_config.json: not found"):
+        load_meft(tiny_llama(), tmp_path)
+    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+    save_meft(model, tmp_path / "a")
+    wrong = add_meft(tiny_llama(), MeftConfig(**{**CFG, "neurons": 128}))
+    with pytest.raises(MemfitError, match="has shape"):
+        load_meft(wrong, tmp_path / "a")
+
+
+def test_meft_imports_nothing_from_train_or_measure():
+    code = ("import sys, memfit.meft; bad = [m for m in sys.modules if m.startswith(('memfit.train', "
+            "'memfit.measure', 'transformers'))]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
