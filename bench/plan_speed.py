@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from memfit.plan import space
 from memfit.plan.matrix import matrix
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [resolve_model(m) for m in MODELS]
     best, m = float("inf"), None
     for _ in range(args.repeat):
+        space._space.cache_clear()  # cold: no strategy space left over from the previous repeat
         t0 = time.perf_counter()
         # every method, engine (DDP, ZeRO-1/2/3, FSDP) and offload: the widest search
         m = matrix(hw, models, SEQ_LENS, methods=None, offloads=None, zero_stages=None)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import typer
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, IncompatibleError
 
 M = "Model and hardware"
 S = "Strategy (one flag per key)"
@@ -128,6 +128,8 @@ def estimate_cmd(
     keys = _fixed_keys(**strategy_flags)
     keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
     result = estimate_one(spec, hw, keys, margin=margin, profile=prof)
+    if result.rule_reasons:
+        raise IncompatibleError(" Also: ".join(result.rule_reasons))
     if json_:
         plan_view.print_json(result.to_dict())
     else:
@@ -188,6 +190,8 @@ def plan_cmd(
         return
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
     result = plan(spec, hw, profile=prof, **kwargs)
+    if not result.candidates and all(r.kind == "rule" for r in result.rejected):
+        raise IncompatibleError("no combination can run here: " + result.rejected[0].reasons[0])
     written = []
     if emit is not None:
         if result.recommended is None:

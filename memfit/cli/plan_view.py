@@ -5,58 +5,50 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
+from rich import box
 from rich.table import Table
 
 from memfit.cli.output import console, err_console, print_json  # noqa: F401  (print_json re-exported)
 from memfit.plan import facts
 
-# Lines of the per-GPU breakdown that come from formulas; everything else is a fixed/hidden overhead.
-FORMULA_PARTS = {"weights", "gradients", "optimizer", "activations", "logits", "lora", "adapter",
-                 "quant_constants", "gathered", "meft_buffers"}
-
-
 def _gb(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def _flatten(d: dict, prefix: str = "") -> list[tuple[str, float]]:
-    out = []
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out += _flatten(value, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out.append((prefix + key, float(value)))
-    return out
+COMPACT = dict(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1), collapse_padding=True)
+KIND_TEXT = {"formula": "formula", "engine": "engine config", "overhead": "overhead (fixed/hidden)"}
 
 
-def _kind(name: str, notes: dict) -> str:
-    if name in notes:
-        return str(notes[name])
-    base = name.split(".")[0]
-    if base in FORMULA_PARTS:
-        return "formula"
-    return "overhead" if any(w in name for w in ("overhead", "context", "allocator", "fragment", "nccl",
-                                                    "buffer", "bucket", "cuda", "workspace")) else "formula"
-
-
-def memory_table(d: dict, title: str = "Memory per GPU (decimal GB)") -> Table:
-    """Per-GPU breakdown, each line marked formula or overhead, then the CPU RAM lines."""
+def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (decimal GB)") -> Table:
+    """Per-GPU breakdown, each line marked formula / engine / overhead, then the CPU RAM lines."""
     mem = d.get("memory", {})
-    notes = mem.get("kinds", {}) if isinstance(mem.get("kinds"), dict) else {}
+    kinds = mem.get("gpu_line_kinds") or {}
     t = Table(title=title, title_justify="left")
     t.add_column("component")
     t.add_column("GB", justify="right")
     t.add_column("kind", style="dim")
     gpu = mem.get("gpu_bytes", {})
-    for name, value in _flatten({k: v for k, v in gpu.items() if k != "total"}):
-        t.add_row(name, _gb(value), _kind(name, notes))
-    t.add_row("[bold]total per GPU[/bold]", f"[bold]{_gb(gpu.get('total'))}[/bold]", "")
+    for name, value in gpu.items():
+        if name == "total" or not value:
+            continue
+        t.add_row(name, _gb(value), KIND_TEXT.get(kinds.get(name, ""), kinds.get(name, "")))
+        if name == "overhead":
+            for sub, v in (mem.get("gpu_overhead_bytes") or {}).items():
+                if v:
+                    t.add_row(f"  {sub}", f"[dim]{_gb(v)}[/dim]", "")
+    t.add_row("[bold]total per GPU[/bold]", f"[bold]{_gb(gpu.get('total'))}[/bold]",
+              f"of {_gb(d.get('hardware', {}).get('gpu_memory_bytes'))}, usable "
+              f"{_gb(mem.get('usable_gpu_bytes'))}" if mem.get("usable_gpu_bytes") else "")
     cpu = mem.get("cpu_bytes", {})
     if cpu:
         t.add_section()
-        for name, value in _flatten({k: v for k, v in cpu.items() if k != "total"}):
-            t.add_row(f"CPU {name}", _gb(value), "per node")
-        t.add_row("[bold]CPU RAM per node[/bold]", f"[bold]{_gb(cpu.get('total'))}[/bold]", "")
+        for name, value in cpu.items():
+            if name != "total" and value:
+                t.add_row(f"CPU {name}", _gb(value), "per node")
+        phase = mem.get("cpu_peak_phase")
+        t.add_row("[bold]CPU RAM per node[/bold]", f"[bold]{_gb(cpu.get('total'))}[/bold]",
+                  (f"peak while {phase}; " if phase else "")
+                  + f"node has {_gb(d.get('hardware', {}).get('cpu_ram_bytes'))}")
     return t
 
 
@@ -81,12 +73,16 @@ def summary_table(d: dict, hardware: Any) -> Table:
         keys += ["meft_neurons", "meft_top_k"]
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
-        t.add_row("step time", f"{time['step_seconds']:.3f} s   ({time.get('tokens_per_second', 0):,.0f} tokens/s)")
+        parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
+                 for k in ("compute_seconds", "comm_exposed_seconds", "offload_seconds", "cpu_optimizer_seconds",
+                           "gpu_optimizer_seconds", "meft_seconds") if time.get(k)]
+        t.add_row("step time", f"{time['step_seconds']:.3f} s per optimizer step, "
+                               f"{time.get('tokens_per_second', 0):,.0f} tokens/s  ({' + '.join(parts)})")
     floors = d.get("floors") or {}
     if floors:
-        t.add_row("floors", "  ".join(
-            f"{k}={_gb(v)} GB" if "bytes" in k else f"{k}={v:.3g}" if isinstance(v, (int, float)) else f"{k}={v}"
-            for k, v in floors.items()))
+        t.add_row("floors", f"memory {_gb(floors.get('memory_bytes'))} GB per GPU (frozen weights at their "
+                            f"precision, no combination goes under); time {floors.get('step_seconds', 0):.3g} s "
+                            "per step (FLOPs / peak FLOP/s)")
     return t
 
 
@@ -108,10 +104,10 @@ def show_estimate(result: Any, hardware: Any) -> None:
 
 def candidates_table(candidates: list, top: int, hardware: Any) -> Table:
     t = Table(title=f"Fastest combinations that fit (top {min(top, len(candidates))} of {len(candidates)})",
-              title_justify="left")
+              title_justify="left", **COMPACT)
     for col, just in (("#", "right"), ("combination", "left"), ("s/step", "right"), ("tokens/s", "right"),
                       ("GB/GPU", "right"), ("CPU GB", "right")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just, no_wrap=True)
     for i, c in enumerate(candidates[:top], 1):
         tps = c.to_dict().get("time", {}).get("tokens_per_second")
         t.add_row(str(i), c.strategy.label(), f"{c.step_seconds:.3f}", f"{tps:,.0f}" if tps else "-",
@@ -141,10 +137,11 @@ def show_plan(p: Any, *, top: int = 8, emitted: list = ()) -> None:
 
 
 def show_gpu_count(result: Any, emitted: list = ()) -> None:
-    t = Table(title=f"GPU count search: {result.gpu} (decimal GB)", title_justify="left")
-    for col in ("GPUs", "best combination", "s/step", "tokens/s", "GB/GPU", "CPU RAM GB", "steps", "hours",
-                "cost"):
-        t.add_column(col, justify="left" if col == "best combination" else "right")
+    t = Table(title=f"GPU count search: {result.gpu} (decimal GB)", title_justify="left", **COMPACT)
+    from memfit.plan.matrix import short_label
+
+    for col in ("GPUs", "fastest that fits", "s/step", "tok/s", "GB/GPU", "CPU GB", "steps", "hours", "cost"):
+        t.add_column(col, justify="left" if col == "fastest that fits" else "right", no_wrap=True)
     best = result.best
     for r in result.rows:
         rec = r.recommended
@@ -152,31 +149,39 @@ def show_gpu_count(result: Any, emitted: list = ()) -> None:
             t.add_row(str(r.gpus), "[red]nothing fits[/red]", *["-"] * 7)
             continue
         tps = rec.to_dict().get("time", {}).get("tokens_per_second")
-        mark = " [green]◀ best[/green]" if best is r else ""
-        t.add_row(str(r.gpus), rec.strategy.label() + mark, f"{rec.step_seconds:.3f}",
-                  f"{tps:,.0f}" if tps else "-", _gb(rec.gpu_total), _gb(rec.cpu_total),
-                  f"{r.steps:,}" if r.steps is not None else "-",
-                  f"{r.hours:.2f}" if r.hours is not None else "-",
+        mark = "[green]▶[/green] " if best is r else ""
+        t.add_row(mark + str(r.gpus), short_label(rec.strategy), f"{rec.step_seconds:.3g}",
+                  f"{tps:.0f}" if tps else "-", f"{rec.gpu_total / 1e9:.1f}", f"{rec.cpu_total / 1e9:.1f}",
+                  f"{r.steps}" if r.steps is not None else "-",
+                  f"{r.hours:.1f}" if r.hours is not None else "-",
                   f"{r.cost:.2f}" if r.cost is not None else "-")
     console.print(t)
-    if best is not None and best.cost is None and best.hours is None:
-        console.print("[dim]best = most tokens per second per step; give --tokens or --steps (and "
-                      "--gpu-hour-price) for total time and cost.[/dim]")
+    if best is not None:
+        how = ("lowest cost" if best.cost is not None else "shortest run" if best.hours is not None
+               else "most tokens per second; give --tokens or --steps (and --gpu-hour-price) for time and cost")
+        console.print(f"▶ best: {best.gpus} GPU(s), {best.recommended.strategy.label()} ({how}). "
+                      "CPU GB = CPU RAM per node; GB/GPU = peak per GPU.")
     for path in emitted:
         console.print(f"wrote {path}")
 
 
 def show_matrix(m: Any, png: Any = None) -> None:
-    t = Table(title=f"Fastest recipe that fits on {facts.hardware_text(m.hardware)} "
-                    "(✗ = nothing fits; ×2n = on two nodes)", title_justify="left")
-    t.add_column("model \\ seq_len")
+    rows = m.rows()
+    methods = {c.split("+")[0] for row in rows for c in row if c != "✗"}
+    common = methods.pop() if len(methods) == 1 else None
+    if common:  # every cell uses the same method: say it once, keep the cells narrow
+        rows = [[c.removeprefix(common + "+") for c in row] for row in rows]
+    t = Table(title=f"Fastest recipe that fits on {facts.hardware_text(m.hardware)}"
+                    + (f" — {common} in every cell" if common else ""), title_justify="left", **COMPACT)
+    t.add_column("model \\ seq_len", no_wrap=True)
     for s in m.seq_lens:
-        t.add_column(str(s))
-    for model, row in zip(m.models, m.rows()):
+        t.add_column(str(s), no_wrap=True)
+    for model, row in zip(m.models, rows):
         t.add_row(model, *[f"[red]{c}[/red]" if c == "✗" else c for c in row])
     console.print(t)
-    console.print("[dim]Z1/Z2/Z3 = DeepSpeed ZeRO stage, GC = gradient checkpointing, Off = optimizer "
-                  "offload to CPU, OffP = + parameter offload; SDPA attention unless FA2/eager shown.[/dim]")
+    console.print("[dim]✗ = nothing fits; ×2n = needs two nodes; Z1/Z2/Z3 = DeepSpeed ZeRO stage; GC = gradient "
+                  "checkpointing; Off = optimizer offload to CPU, OffP = + parameters; attention is SDPA unless "
+                  "FA2/eager is shown.[/dim]")
     if png is not None:
         console.print(f"wrote {png}")
 

@@ -71,24 +71,17 @@ def gpu_name(hardware: Any) -> str:
 
 def is_cpu(hardware: Any) -> bool:
     """True for the CPU pseudo-device (``local`` on a machine without CUDA)."""
-    g = gpu(hardware)
-    flag = _first(g, ("is_cpu",))
-    if flag is not None:
-        return bool(flag)
-    kind = str(_first(g, ("kind", "vendor"), "")).lower()
-    return kind == "cpu" or gpu_name(hardware).lower().startswith("cpu")
+    return bool(getattr(gpu(hardware), "is_cpu", False))
 
 
 def supports_bf16(hardware: Any) -> bool:
-    if is_cpu(hardware):
-        return True
-    return bool(_first(gpu(hardware), ("bf16", "supports_bf16"), False))
+    g = gpu(hardware)
+    return bool(getattr(g, "is_cpu", False) or getattr(g, "bf16", False))
 
 
 def supports_fa2(hardware: Any) -> bool:
-    if is_cpu(hardware):
-        return False
-    return bool(_first(gpu(hardware), ("fa2", "flash_attention_2", "supports_fa2"), False))
+    g = gpu(hardware)
+    return not getattr(g, "is_cpu", False) and bool(getattr(g, "fa2", False))
 
 
 def gpu_memory_bytes(hardware: Any) -> float:
@@ -128,3 +121,13 @@ def with_nodes(hardware: Any, n: int) -> Any:
     import dataclasses
 
     return dataclasses.replace(hardware, nodes=n, label="")
+
+
+def with_gpus_per_node(hardware: Any, k: int) -> Any:
+    """The same GPU kind, ``k`` per node; CPU RAM follows the catalog default unless the user gave it."""
+    import dataclasses
+
+    from memfit.spec.hardware import default_cpu_ram
+
+    ram = hardware.cpu_ram_bytes if getattr(hardware, "cpu_ram_given", True) else default_cpu_ram(hardware.gpu, k)
+    return dataclasses.replace(hardware, gpus_per_node=k, cpu_ram_bytes=ram, label="")

@@ -44,6 +44,7 @@ class Plan:
     candidates: list = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     why: list[str] = field(default_factory=list)
+    search_args: dict = field(default_factory=dict, repr=False)
 
     @property
     def closest(self) -> Optional[Rejection]:
@@ -60,32 +61,42 @@ class Plan:
         }
 
 
-def usable(capacity: Optional[float], margin: float) -> Optional[float]:
-    return None if not capacity else capacity * (1.0 - margin)
-
-
-def memory_verdict(est: Any, hardware: Any, margin: float) -> Optional[tuple[str, float, float]]:
-    """None if ``est`` fits with ``margin`` kept free, else (reason, bytes short, need/usable)."""
-    gpu_cap = usable(facts.gpu_memory_bytes(hardware), margin)
-    cpu_cap = usable(facts.cpu_ram_bytes(hardware), margin)
-    problems: list[tuple[float, str, float]] = []
-    if gpu_cap and est.gpu_total > gpu_cap:
-        short = est.gpu_total - gpu_cap
-        problems.append((est.gpu_total / gpu_cap,
-                         f"needs {_gb(est.gpu_total)} per GPU, has {_gb(gpu_cap)} usable "
-                         f"({facts.gpu_name(hardware)} less the {margin:.0%} margin): {_gb(short)} short", short))
-    if cpu_cap and est.cpu_total > cpu_cap:
-        short = est.cpu_total - cpu_cap
-        problems.append((est.cpu_total / cpu_cap,
-                         f"needs {_gb(est.cpu_total)} of CPU RAM per node, has {_gb(cpu_cap)} usable: "
-                         f"{_gb(short)} short", short))
-    if not problems and not est.fits:
-        text = "; ".join(est.reasons) or "does not fit"
-        return text, 0.0, 1.0
-    if not problems:
+def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]]:
+    """None if ``est`` fits (the estimator applies the margin), else (reason, bytes short, need/usable)."""
+    if est.fits:
         return None
-    problems.sort(reverse=True)
-    return "; ".join(p[1] for p in problems), problems[0][2], problems[0][0]
+    reason = "; ".join(est.reasons) or "does not fit"
+    usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware)) or 1.0
+    if facts.is_cpu(hardware):  # one RAM holds the "device" lines and the process
+        need = est.gpu_total + est.cpu_total
+        return reason, max(need - usable_gpu, 0.0), need / usable_gpu
+    worst = [(est.gpu_total / usable_gpu, est.gpu_total - usable_gpu)]
+    ram = facts.cpu_ram_bytes(hardware)
+    if ram:
+        worst.append((est.cpu_total / ram, est.cpu_total - ram))
+    ratio, short = max(worst)
+    return reason, max(short, 0.0), ratio
+
+
+def short_reason(est: Any, hardware: Any) -> str:
+    """'needs 207.2 GB per GPU (32.6 GB usable)' and/or the CPU RAM shortfall, in few words."""
+    usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware))
+    if facts.is_cpu(hardware):
+        return f"needs {_gb(est.gpu_total + est.cpu_total)} of RAM ({_gb(usable_gpu)} usable)"
+    parts = []
+    if est.gpu_total > usable_gpu:
+        parts.append(f"needs {_gb(est.gpu_total)} per GPU ({_gb(usable_gpu)} usable, "
+                     f"{_gb(est.gpu_total - usable_gpu)} over)")
+    ram = facts.cpu_ram_bytes(hardware)
+    if ram and est.cpu_total > ram:
+        parts.append(f"needs {_gb(est.cpu_total)} of CPU RAM per node (node has {_gb(ram)})")
+    return " and ".join(parts) or "; ".join(est.reasons)
+
+
+def rule_key(s: Strategy) -> tuple:
+    """The fields the rules read (everything but lengths, batch and checkpointing)."""
+    return (s.method, s.zero_stage, s.fsdp, s.offload, s.attention, s.optimizer, s.precision, s.quant_storage,
+            s.lora_targets, s.meft_neurons)
 
 
 def _rank_key(est: Any) -> tuple:
@@ -114,24 +125,31 @@ def plan(
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"--margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% free")
     result = Plan(model=model, hardware=hardware, margin=margin)
+    result.search_args = dict(methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
+                              offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                              grad_accum=grad_accum, margin=margin, profile=profile, fixed=fixed)
     tried = 0
+    rule_memo: dict[tuple, list[str]] = {}
     for strategy in enumerate_strategies(
         model, hardware, methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
         offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
         fixed=fixed,
     ):
         tried += 1
-        reasons = rules.check(model, hardware, strategy)
+        key = rule_key(strategy)
+        reasons = rule_memo.get(key)
+        if reasons is None:
+            reasons = rule_memo[key] = rules.check(model, hardware, strategy)
         if reasons:
             result.rejected.append(Rejection(strategy, " Also: ".join(reasons), "rule", reasons=reasons))
             continue
-        est = estimate(model, hardware, strategy, profile=profile)
-        verdict = memory_verdict(est, hardware, margin)
+        est = estimate(model, hardware, strategy, profile=profile, margin=margin)
+        verdict = memory_verdict(est, hardware)
         if verdict is None:
             result.candidates.append(est)
         else:
             reason, short, ratio = verdict
-            result.rejected.append(Rejection(strategy, reason, "memory", est, short, ratio))
+            result.rejected.append(Rejection(strategy, reason, "memory", est, short_bytes=short, over_ratio=ratio))
     if not tried:
         raise ConfigError("the fixed strategy keys leave no combination to try (e.g. offload needs "
                           "zero_stage>=1 or fsdp); loosen --method/--zero/--fsdp/--offload")
@@ -175,12 +193,12 @@ def explain_plan(p: Plan) -> list[str]:
         for r in faster[:3]:
             why.append(f"Faster but does not fit: {r.strategy.label()} "
                        f"({r.estimate.step_seconds:.3g} s/step, {_pct(r.estimate.step_seconds, rec.step_seconds)}) "
-                       f"{r.reason}.")
+                       f"{short_reason(r.estimate, p.hardware)}.")
     else:
         why.append(f"Nothing fits: {n_mem} of {n_tried} combinations exceed memory, {n_rule} cannot run here.")
         close = p.closest
         if close is not None:
-            why.append(f"Closest: {close.strategy.label()} {close.reason}.")
+            why.append(f"Closest: {close.strategy.label()} {short_reason(close.estimate, p.hardware)}.")
             why.extend(what_would_fit(p, close))
     if n_rule:
         groups = Counter(r.reasons[0] for r in p.rejected if r.kind == "rule")
@@ -189,17 +207,44 @@ def explain_plan(p: Plan) -> list[str]:
     return why
 
 
+def bigger_pools(hardware: Any) -> list[Any]:
+    """Larger pools of the same GPU, smallest first: more GPUs in the node (up to 8), then more nodes."""
+    if facts.is_cpu(hardware):
+        return []
+    pools, k = [], facts.gpus_per_node(hardware)
+    for more in (2, 4, 8):
+        if more > k:
+            pools.append(facts.with_gpus_per_node(hardware, more))
+    base = pools[-1] if pools else hardware
+    pools += [facts.with_nodes(base, n) for n in (2, 4) if n > facts.nodes(base)]
+    return pools
+
+
 def what_would_fit(p: Plan, close: Rejection) -> list[str]:
-    """Concrete changes that would let the closest combination fit."""
+    """Concrete changes that would let something fit: a bigger pool (searched), more memory per GPU,
+    more CPU RAM."""
     hints = []
     est, margin = close.estimate, p.margin
+    if est is None:
+        return hints
+    if facts.is_cpu(p.hardware):
+        need = (est.gpu_total + est.cpu_total) / (1 - margin)
+        return [f"It would fit in {_gb(need)} of RAM, or with a shorter --seq-len or a smaller model."]
+    if p.search_args:
+        for pool in bigger_pools(p.hardware):
+            found = plan(p.model, pool, explain=False, **p.search_args)
+            if found.recommended is not None:
+                hints.append(f"On {facts.hardware_text(pool)} it would fit: {found.recommended.strategy.label()} "
+                             f"at {found.recommended.step_seconds:.3g} s/step.")
+                break
+        else:
+            hints.append("No pool of up to 4 nodes of 8 of these GPUs fits it; use larger GPUs, "
+                         "a shorter --seq-len or a smaller model.")
     gpu_cap = facts.gpu_memory_bytes(p.hardware)
-    if est is not None and gpu_cap and est.gpu_total > gpu_cap * (1 - margin):
-        need = est.gpu_total / (1 - margin)
-        hints.append(f"It would fit on GPUs with at least {_gb(need)} each, or with more GPUs to shard over "
-                     f"(try --nodes {facts.nodes(p.hardware) * 2}), or with a shorter --seq-len.")
+    if gpu_cap and est.gpu_total > gpu_cap * (1 - margin):
+        hints.append(f"{close.strategy.label()} itself would fit on GPUs with at least "
+                     f"{_gb(est.gpu_total / (1 - margin))} each.")
     ram = facts.cpu_ram_bytes(p.hardware)
-    if est is not None and ram and est.cpu_total > ram * (1 - margin):
-        need = est.cpu_total / (1 - margin)
-        hints.append(f"It needs --cpu-ram of at least {_gb(need)} per node.")
+    if ram and est.cpu_total > ram:
+        hints.append(f"It needs --cpu-ram of at least {_gb(est.cpu_total)} per node.")
     return hints

@@ -4,10 +4,9 @@ rules (can it run here at all?) and the safety margin (does it fit with room to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from memfit.plan import rules
-from memfit.plan.search import memory_verdict
 from memfit.plan.space import make_strategy
 from memfit.spec.strategy import Strategy
 
@@ -30,7 +29,6 @@ class SingleEstimate:
     estimate: Any
     margin: float
     rule_reasons: list[str] = field(default_factory=list)
-    memory_reason: Optional[str] = None
 
     @property
     def strategy(self) -> Strategy:
@@ -38,12 +36,12 @@ class SingleEstimate:
 
     @property
     def fits(self) -> bool:
-        return bool(self.estimate.fits) and not self.rule_reasons and self.memory_reason is None
+        return bool(self.estimate.fits) and not self.rule_reasons
 
     @property
     def reasons(self) -> list[str]:
         out = list(self.rule_reasons)
-        for r in list(self.estimate.reasons) + ([self.memory_reason] if self.memory_reason else []):
+        for r in self.estimate.reasons:
             if r not in out:
                 out.append(r)
         return out
@@ -62,7 +60,5 @@ def estimate_one(model: Any, hardware: Any, keys: dict[str, Any], *, margin: flo
     from memfit.estimate import estimate
 
     strategy = make_strategy(**complete_keys(model, hardware, keys))
-    est = estimate(model, hardware, strategy, profile=profile)
-    verdict = memory_verdict(est, hardware, margin)
-    return SingleEstimate(est, margin, rules.check(model, hardware, strategy),
-                          verdict[0] if verdict and est.fits else None)
+    est = estimate(model, hardware, strategy, profile=profile, margin=margin)
+    return SingleEstimate(est, margin, rules.check(model, hardware, strategy))

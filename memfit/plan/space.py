@@ -8,6 +8,7 @@ an engine, parameter offload without parameter sharding) do not exist and are sk
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Iterable, Iterator, Optional
 
 from pydantic import ValidationError
@@ -108,16 +109,34 @@ def enumerate_strategies(
     if "lora_targets" not in fixed:
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
     engines = engines_for(zero_stages, fixed)
+    args = (tuple(methods), tuple(engines), tuple(offloads), tuple(gcs), tuple(attentions),
+            tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")))
+    try:
+        space = _space(*args)
+    except TypeError:  # an unhashable fixed value: build without the cache
+        space = _space.__wrapped__(*args)
+    return iter(space)
+
+
+@lru_cache(maxsize=256)
+def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentions: tuple,
+           base_items: tuple, fixed_storage: tuple) -> tuple[Strategy, ...]:
+    """The combinations for one set of choices (cached: a matrix reuses them across models)."""
+    base = dict(base_items)
+    precision = base["precision"]
+    out = []
     for method in methods:
         for zero, fsdp in engines:
             keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp)
-            if method == "qlora" and "quant_storage" not in fixed:
+            if method == "qlora" and not fixed_storage:
                 sharded = zero == 3 or bool(fsdp)
                 keys["quant_storage"] = rules.PARAM_DTYPE[precision] if sharded else "uint8"
             for offload in offloads:
                 for gc in gcs:
                     for attention in attentions:
                         try:
-                            yield Strategy(**keys, offload=offload, gradient_checkpointing=gc, attention=attention)
+                            out.append(Strategy(**keys, offload=offload, gradient_checkpointing=gc,
+                                                attention=attention))
                         except ValidationError:
                             continue  # a combination that does not exist (e.g. offload without an engine)
+    return tuple(out)
