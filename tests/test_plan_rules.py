@@ -116,7 +116,7 @@ def test_enumeration_bad_input(kwargs, needle):
 
 
 def test_make_strategy_names_the_field():
-    with pytest.raises(ConfigError, match=r"strategy: zero_stage: Input should be less than or equal to 3"):
+    with pytest.raises(ConfigError, match=r"strategy: zero_stage \(--zero\): got 5; should be less than or equal to 3"):
         make_strategy(zero_stage=5)
     with pytest.raises(ConfigError, match="offload='optimizer' is done by DeepSpeed ZeRO or FSDP"):
         make_strategy(offload="optimizer")

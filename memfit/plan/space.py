@@ -22,15 +22,29 @@ ENGINES: tuple[tuple[int, Any], ...] = (
     (0, False), (1, False), (2, False), (3, False), (0, "shard_grad_op"), (0, "full_shard"),
 )
 STRATEGY_FIELDS = frozenset(Strategy.model_fields)
+# The command-line flag of each strategy key whose name differs from it.
+FLAGS = {"zero_stage": "--zero", "micro_batch_size": "--batch-size", "gradient_checkpointing":
+         "--gradient-checkpointing"}
 
 
 def strategy_error(err: ValidationError, source: str = "strategy") -> ConfigError:
-    """One line naming the field(s) pydantic refused and what is allowed."""
-    parts = []
+    """One line naming the field(s) pydantic refused, the value given and what is allowed."""
+    by_field: dict[str, list[str]] = {}
+    given: dict[str, Any] = {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "strategy"
-        msg = e["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc != "strategy" else msg)
+        loc = str(e["loc"][0]) if e["loc"] else "strategy"
+        msg = e["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
+        by_field.setdefault(loc, []).append(msg)
+        if loc != "strategy" and "input" in e and not isinstance(e["input"], dict):
+            given[loc] = e["input"]
+    parts = []
+    for loc, msgs in by_field.items():
+        if loc == "strategy":
+            parts.append("; ".join(msgs))
+            continue
+        flag = FLAGS.get(loc, "--" + loc.replace("_", "-"))
+        got = f"got {given[loc]!r}; " if loc in given else ""
+        parts.append(f"{loc} ({flag}): {got}should be " + " or ".join(msgs))
     return ConfigError(f"{source}: " + "; ".join(parts))
 
 
