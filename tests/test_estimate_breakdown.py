@@ -21,7 +21,7 @@ def run(**kw):
 
 
 def test_full_bf16_sdpa():
-    est = run()
+    est = run(zero_stage=1)  # DeepSpeed on one GPU: the ZeRO paper's 2 + 2 + 12
     g = est.gpu
     assert TINY.parameters == 86_848
     assert g["weights"] == 2 * 86_848 and g["gradients"] == 2 * 86_848 and g["optimizer"] == 12 * 86_848
@@ -30,10 +30,17 @@ def test_full_bf16_sdpa():
     # tail: final norm 6*64 + head input 2*64 = 512 per token x 8 = 4,096 -> 41,216
     assert g["activations"] == 41_216
     assert g["logits"] == 8 * 100 * 10  # half 2 + fp32 log-softmax 4 + fp32 grad 4 per logit
-    assert g["comm_buffers"] == 0 and g["gathered_params"] == 0  # one GPU: no DDP
-    formula = 4 * 86_848 + 12 * 86_848 + 41_216 + 8_000
+    # ZeRO-1 buckets: 2 reduce buckets of min(h², P) = 4096 elements + allgather min(2e8, P) = 86,848, x 2 B
+    assert g["comm_buffers"] == 2 * 2 * 4096 + 2 * 86_848 and g["gathered_params"] == 0
+    formula = 4 * 86_848 + 12 * 86_848 + 41_216 + 8_000 + g["comm_buffers"]
     assert g["overhead"] == pytest.approx(1e6 + 0.1 * formula)
     assert g["total"] == pytest.approx(formula * 1.1 + 1e6)
+
+
+def test_ddp_autocast_states():
+    g = run().gpu  # one GPU, no DDP wrapper: fp32 weights + autocast bf16 copies, fp32 grads, Adam 8 B
+    assert (g["weights"], g["gradients"], g["optimizer"]) == (6 * 86_848, 4 * 86_848, 8 * 86_848)
+    assert g["comm_buffers"] == 0
 
 
 def test_eager_adds_scores_and_expanded_kv():
@@ -53,13 +60,18 @@ def test_lora_counts_and_intermediates():
     # trainable 2 layers x 4 x ((64+64) + (64+32)) = 1792
     assert est.trainable_parameters == 1792
     g = est.gpu
-    assert g["weights"] == 2 * 86_848 + 2 * 1792  # frozen bf16 + adapter
-    assert g["gradients"] == 2 * 1792 and g["optimizer"] == 12 * 1792
+    # frozen bf16 + fp32 adapter with its autocast bf16 copy (PEFT keeps adapters fp32)
+    assert g["weights"] == 2 * 86_848 + 6 * 1792
+    assert g["gradients"] == 4 * 1792 and g["optimizer"] == 8 * 1792
     # per adapted linear and token: rank intermediate 2*4 + dropped input copy and mask (2+1)*64 = 200;
     # 2 linears x 8 tokens x 2 layers = 6400
     assert g["lora_intermediates"] == 6400
+    # no dropout: rank intermediate 2*4 + the bf16 cast of the input lora_A saves 2*64 = 136 per linear
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"),
-               lora_dropout=0.0).gpu["lora_intermediates"] == 2 * 8 * 2 * 8
+               lora_dropout=0.0).gpu["lora_intermediates"] == 136 * 2 * 8 * 2
+    # under DeepSpeed the adapters are bf16 like the rest: no cast copy
+    assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), zero_stage=2,
+               lora_dropout=0.0).gpu["lora_intermediates"] == 8 * 2 * 8 * 2
 
 
 def test_fp32_everything_fp32():
@@ -77,7 +89,7 @@ def test_qlora_weights():
     other = 86_848 - linear  # embeddings, head, norms: fp32 after prepare_model_for_kbit_training
     dequant = 64 * 128 * 2  # the largest linear dequantised to 16-bit while it runs
     adapter = 2 * 4 * (64 + 64)
-    assert est.gpu["weights"] == pytest.approx(linear * (0.5 + 0.0625) + other * 4 + dequant + adapter * 2)
+    assert est.gpu["weights"] == pytest.approx(linear * (0.5 + 0.0625) + other * 4 + dequant + adapter * 6)
 
 
 def test_offload_moves_optimizer_to_cpu():
@@ -102,7 +114,7 @@ def test_meft_traffic_by_hand():
     assert est.cpu["meft_store"] == 2 * 2 * 16 * 64 * 16  # W_K, W_V x layers x neurons x h x (param+grad+2 Adam) fp32
     assert est.to_dict()["traffic"]["h2d"] == 4096
     # experts auto = ceil(sqrt(16)) = 4: router 64 x 4 per layer, trained on the GPU
-    assert est.gpu["gradients"] == 2 * 2 * 64 * 4
+    assert est.gpu["gradients"] == 4 * 2 * 64 * 4  # fp32 grads under autocast
     assert est.trainable_parameters == 2 * 64 * 4 + 2 * 2 * 16 * 64
 
 

@@ -122,7 +122,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     s, b, ga = st.seq_len, st.micro_batch_size, st.grad_accum
     method, prec = st.method, st.precision
     engine = _ENGINE_KIND[st.engine]
-    w_b, g_b, o_b = M.state_bytes(prec, st.optimizer)
+    family = "fsdp" if st.fsdp else ("deepspeed" if st.zero_stage else "ddp")
+    w_b, g_b, o_b, copy_b = M.state_bytes(prec, st.optimizer, family)
+    half = 4.0 if prec == "fp32" else 2.0  # bytes of a value in the compute dtype
     e = 4.0 if prec == "fp32" else 2.0
     nums = M.numbers(model)
     P = float(model.parameters)
@@ -161,7 +163,12 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     fsdp = bool(st.fsdp)
 
     weights_all = frozen_bytes + p_t * w_b  # one full copy of the model's weights as stored
-    weights = weights_all / n if sharded_w else weights_all
+    compute_all = frozen_bytes + p_t * (copy_b or w_b)  # one full copy in the dtype the matmuls use
+    weights = weights_all / n if (sharded_w or family == "fsdp") else weights_all
+    if family == "ddp":
+        weights += p_t * copy_b  # autocast's 16-bit weight copies, saved for backward
+    elif engine == "sgo":
+        weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
     if method == "qlora":
         weights += nums.largest_linear * 2.0  # one linear dequantised to 16-bit at a time
     grads = p_t * g_b / (n if shard_g else 1)
@@ -170,9 +177,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if off_opt:
         cpu_opt, optim = optim, 0.0
         cpu_grads = p_t * 4.0 / n  # fp32 gradient partition where the CPU optimizer reads it
-        grads = 0.0 if shard_g or engine == "zero1" else grads
+        grads = 0.0
     if off_par:
-        cpu_params = weights_all / n * (2.0 if fsdp and w_b == 2.0 else 1.0)  # FSDP keeps offloaded params in fp32
+        cpu_params = weights_all / n
         weights = 0.0
 
     # ---- activations, logits, adapters -------------------------------------------------------------
@@ -182,7 +189,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
-        lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p)
+        lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
+                                             cast_copy=copy_b > 0)
     meft_buf = 0.0
     rows = 0.0
     if method == "meft":
@@ -194,18 +202,19 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- engine buffers -------------------------------------------------------------------------
     h2 = float(model.hidden) ** 2
     gathered = comm = 0.0
+    g_comm = g_b if family == "ddp" else min(g_b, half)  # FSDP reduces in the compute dtype
     if engine == "zero3":
-        per_param = weights_all / P
         if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
             live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
-            comm = min(nums.layer_params, p_t) * g_b  # one layer's unsharded grads before reduce-scatter
+            comm = min(nums.layer_params, p_t) * g_comm  # one layer's unsharded grads before reduce-scatter
+            gathered = min(live, P) * compute_all / P
         else:  # DeepSpeed gathers module by module: the current one + the prefetch bucket, capped by max_live
             live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters),
                        max(p.zero3_max_live_parameters, nums.largest_linear))
             comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
-        gathered = min(live, P) * per_param
+            gathered = min(live, P) * weights_all / P
     elif engine == "sgo":
-        comm = min(nums.layer_params, p_t) * g_b
+        comm = min(nums.layer_params, p_t) * g_comm
     elif engine in ("zero1", "zero2"):
         comm = (2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
                 + min(p.zero_allgather_bucket_elements, p_t) * w_b)
@@ -258,7 +267,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     peak = gpu.fp32_flops if (prec == "fp32" or gpu.is_cpu) else gpu.peak_flops
     floor_s = floor_flops / peak
 
-    cbytes = T.comm_bytes(engine, P, weights_all, p_t, g_b, w_b, ga, gc) if n > 1 else 0.0
+    gather_all = compute_all if family == "fsdp" else weights_all
+    cbytes = T.comm_bytes(engine, P, gather_all, p_t, g_comm, min(w_b, half), ga, gc) if n > 1 else 0.0
     comm_s = T.collective_seconds(cbytes, hardware, p)
     exposed_comm = comm_s * (1.0 - T.overlap_for(engine, p))
     pcie_b = 0.0
@@ -304,7 +314,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         if cpu_total > hardware.cpu_ram_bytes:
             reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
                            f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
-    floor_mem = (frozen_bytes if method != "full" else P * w_b) / (n if sharded_w else 1)
+    floor_mem = (frozen_bytes if method != "full" else P * half) / (n if sharded_w else 1)
     return Estimate(model=model, hardware=hardware, strategy=st, gpu=gpu_lines,
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
                     cpu=cpu_lines, cpu_phase="loading" if loading > steady else "training", time=time,

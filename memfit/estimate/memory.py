@@ -13,19 +13,30 @@ import math
 from memfit.estimate.constants import Profile
 from memfit.spec.model import ModelSpec
 
-# bytes per *trainable* parameter: (weights, gradients, optimizer incl. fp32 master) by precision/optimizer
-# ZeRO paper convention for mixed precision: 2 + 2 + K (K = 12 for Adam: fp32 master, momentum, variance).
-_STATE_BYTES = {
-    ("fp32", "adamw"): (4.0, 4.0, 8.0), ("fp32", "adamw8bit"): (4.0, 4.0, 2.0), ("fp32", "sgd"): (4.0, 4.0, 4.0),
-    ("mixed", "adamw"): (2.0, 2.0, 12.0), ("mixed", "adamw8bit"): (2.0, 2.0, 6.0), ("mixed", "sgd"): (2.0, 2.0, 8.0),
-    ("bf16", "adamw"): (2.0, 2.0, 4.0), ("bf16", "adamw8bit"): (2.0, 2.0, 2.0), ("bf16", "sgd"): (2.0, 2.0, 2.0),
-}
-_PREC_KIND = {"fp32": "fp32", "fp16-mixed": "mixed", "bf16-mixed": "mixed", "bf16": "bf16"}
+# Optimizer state bytes per trainable parameter, without any fp32 master copy.
+_OPT_STATES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
 
 
-def state_bytes(precision: str, optimizer: str) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer) bytes per trainable parameter."""
-    return _STATE_BYTES[(_PREC_KIND[precision], optimizer)]
+def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tuple[float, float, float, float]:
+    """(weight, gradient, optimizer, compute copy) bytes per *trainable* parameter for an engine family.
+
+    - ``deepspeed`` (ZeRO 1–3; the ZeRO paper's convention): 16-bit params and grads, the optimizer
+      holds the fp32 master + states: mixed Adam 2 + 2 + 12. DeepSpeed's bf16 mode keeps an fp32
+      master too, so pure ``bf16`` counts like mixed. fp32: 4 + 4 + states.
+    - ``ddp`` (torch autocast, as the HF Trainer runs it): fp32 params and grads + states; autocast's
+      16-bit copy of every trainable weight is saved for backward (``compute copy`` = 2 B, counted
+      under weights). Pure bf16: 2 + 2 + states in bf16 (Adam 4).
+    - ``fsdp`` (MixedPrecision policy): fp32 flat params, fp32 grads, states, all sharded; the 16-bit
+      compute copy exists only while gathered (gathered_params / shard_grad_op's unsharded copy).
+    """
+    states = _OPT_STATES[optimizer]
+    if precision == "fp32":
+        return 4.0, 4.0, states, 0.0
+    if family == "deepspeed":
+        return 2.0, 2.0, 4.0 + states, 0.0
+    if precision == "bf16":
+        return 2.0, 2.0, states / 2.0 if optimizer != "adamw8bit" else states, 0.0
+    return 4.0, 4.0, states, 2.0
 
 
 class ModelNumbers:
@@ -77,14 +88,20 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention
 
     Per token: norms + q/k/v as the attention kernel keeps them + attention output (twice) + MLP
     (SwiGLU 4·f, GeLU 2·f values). Eager adds the score matrices: fp32 softmax (4 B) and its cast (e)
-    per head and query-key pair (+ a 1-byte dropout mask and its output if attention dropout > 0).
+    per head and query-key pair (Falcon: e only; + a 1-byte dropout mask and its output if attention
+    dropout > 0). Checked against the tensors autograd saves for tiny HF Llama/Falcon models
+    (saved_tensors_hooks, per-layer difference of 1 vs 3 layers): within −8 % … +6 %.
     Flash / memory-efficient SDPA keep only a fp32 log-sum-exp per head and token.
     """
     n = numbers(model)
     norms = n.n_norms * norm_bytes_per_token(model, e)
     if attention == "eager":
         per_tok = norms + e * (n.q_kv_eager + n.attn_out + n.tok_mlp) + (1 + e) * n.dropout_mask
-        score = 4.0 + (e if e != 4.0 else 0.0) + ((1.0 + e) if model.attention_dropout > 0 else 0.0)
+        if model.family == "falcon":  # Falcon's eager softmax runs in the compute dtype
+            score = e
+        else:  # the generic HF eager path: softmax in fp32, cast back to the compute dtype
+            score = 4.0 + (e if e != 4.0 else 0.0)
+        score += (1.0 + e) if model.attention_dropout > 0 else 0.0
         return b * s * per_tok + b * n.heads * float(s) * s * score
     per_tok = norms + e * (n.q_kv_sdpa + n.attn_out + n.tok_mlp) + (1 + e) * n.dropout_mask + 4.0 * n.heads
     return b * s * per_tok
@@ -121,12 +138,15 @@ def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Prof
 
 
 def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,
-                            checkpointing: bool, profile: Profile) -> float:
-    """Per adapted linear: the rank-r intermediate (e·s·b·r) and, with lora_dropout > 0, the dropped
-    input copy and its mask ((e + 1)·s·b·in). With checkpointing only the recomputed layer(s) hold them."""
+                            checkpointing: bool, profile: Profile, cast_copy: bool = False) -> float:
+    """Per adapted linear: the rank-r intermediate (e·s·b·r) and the input lora_A saves: with
+    lora_dropout > 0 the dropped copy and its mask ((e + 1)·s·b·in); without dropout a cast copy (e·in)
+    when the adapter's dtype differs from the compute dtype (PEFT keeps fp32 adapters under autocast),
+    else nothing (the base linear's input is shared). With checkpointing only the recomputed layer(s)."""
     per_layer = 0.0
+    copy = (e + 1.0) if dropout > 0 else (e if cast_copy else 0.0)
     for lin in model.lora_linears(targets):
-        per_layer += e * r + ((e + 1.0) * lin.in_features if dropout > 0 else 0.0)
+        per_layer += e * r + copy * lin.in_features
     per_layer *= b * s
     layers = profile.checkpoint_extra_layers if checkpointing else model.layers
     return per_layer * layers
