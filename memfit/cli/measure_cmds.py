@@ -1,9 +1,178 @@
-"""CLI commands for the measure side (registered by memfit.cli.app)."""
+"""CLI commands for the measure side: ``measure`` and ``calibrate`` (registered by memfit.cli.app).
+
+Thin: build the RunSpecs, call memfit.measure, format the comparison. torch is imported only inside the
+measured subprocesses (memfit.measure.worker); this module and what it calls in-process stay plain Python.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, List, Optional
+
 import typer
+
+from memfit.errors import ConfigError
+
+O = "Output"
+R = "Measurement"
+
+
+def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], sweeps: list[str],
+          keys: dict[str, Any]) -> list[Any]:
+    """One RunSpec per sweep combination, from a run file or from the estimate-style flags."""
+    from memfit.measure.runner import sweep_overrides
+    from memfit.spec.run import load_run, run_from_dict
+
+    combos = sweep_overrides(sweeps)
+    if run_file is not None:
+        if model is not None or keys:
+            raise ConfigError("give either a run file or --model with strategy flags, not both "
+                              "(use --set KEY=VALUE to change a run file)")
+        return [load_run(run_file, overrides + combo) for combo in combos]
+    if model is None:
+        raise ConfigError("missing RUN_FILE or --model: `memfit measure run.yaml` or "
+                          "`memfit measure --model DIR --method lora --seq-len 256`")
+    if "precision" not in keys:
+        keys["precision"] = _local_precision()
+    raw = {"model": model, "hardware": "local", "strategy": keys, "output_dir": "runs/measure"}
+    return [run_from_dict(raw, overrides + combo, source="memfit measure") for combo in combos]
+
+
+def _local_precision() -> str:
+    """What this machine trains in by default: the planner's rule where it exists, fp32 on CPU."""
+    try:
+        from memfit.plan.rules import default_precision
+        from memfit.spec.hardware import parse_hardware
+
+        return default_precision(parse_hardware("local"))
+    except Exception:  # planner absent: CPU-safe default
+        return "fp32"
+
+
+def _label(run: Any, combo_index: int) -> str:
+    s = run.strategy
+    return (f"{combo_index:02d}-{s.method}-{s.engine}-{'gc' if s.gradient_checkpointing else 'nogc'}-"
+            f"{s.attention}-s{s.seq_len}-b{s.micro_batch_size}")
+
+
+def measure_cmd(
+    run_file: Optional[Path] = typer.Argument(None, help="Run file (YAML); or give --model and strategy flags."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local model folder (with weights)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Micro-batch per process."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Override a key, e.g. --set lora.r=32."),
+    sweeps: Optional[List[str]] = typer.Option(None, "--sweep", help="KEY=V1,V2 (repeatable; cartesian "
+                                               "product), e.g. --sweep gradient_checkpointing=true,false",
+                                               rich_help_panel=R),
+    steps: int = typer.Option(3, "--steps", help="Measured steps (after warm-up).", rich_help_panel=R),
+    warmup: int = typer.Option(1, "--warmup", help="Warm-up steps, not measured.", rich_help_panel=R),
+    timeout: float = typer.Option(1800, "--timeout", help="Seconds allowed per configuration.",
+                                  rich_help_panel=R),
+    out: Optional[Path] = typer.Option(None, "--out", help="Save each measurement as JSON here "
+                                       "(input for `memfit calibrate --runs`).", rich_help_panel=O),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Predict with calibrated constants."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O),
+    **strategy_flags: Any,
+) -> None:
+    """Run a few real steps in a fresh process per configuration: measured vs predicted memory and time."""
+    from memfit.cli.output import console, err_console, print_json
+    from memfit.measure.runner import measure, save_record
+
+    keys = _strategy_keys(strategy_flags)
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", batch_size), ("grad_accum", grad_accum)):
+        if value is not None:
+            keys[name] = value
+    runs = _runs(run_file, model, list(overrides or []), list(sweeps or []), keys)
+    prof = None
+    if profile is not None:
+        from memfit.estimate.constants import Profile
+
+        prof = Profile.load(profile)
+    records = []
+    status = err_console if json_ else console
+    for i, run in enumerate(runs):
+        with status.status(f"measuring {i + 1}/{len(runs)}: {run.strategy.label()} seq {run.strategy.seq_len} "
+                           f"micro-batch {run.strategy.micro_batch_size} ({warmup} warm-up + {steps} steps)"):
+            rec = measure(run, warmup=warmup, steps=steps, profile=prof, timeout=timeout)
+        if out is not None:
+            rec["saved_to"] = str(save_record(rec, out, _label(run, i)))
+        records.append(rec)
+        if not json_:
+            from memfit.cli.measure_view import show_record
+
+            show_record(rec)
+    if json_:
+        print_json(records[0] if len(records) == 1 else records)
+    elif len(records) > 1:
+        from memfit.cli.measure_view import show_sweep
+
+        show_sweep(records)
+
+
+def _strategy_keys(flags: dict[str, Any]) -> dict[str, Any]:
+    if not flags:
+        return {}
+    from memfit.cli.plan_cmds import _fixed_keys
+
+    return _fixed_keys(**flags)
+
+
+DEFAULT_MEMORY_CONSTANTS = ("activation_scale", "logits_bytes_16bit", "logits_bytes_fp32",
+                            "checkpoint_extra_layers")
+DEFAULT_TIME_CONSTANTS = ("utilization", "utilization_fp32", "utilization_cpu")
+
+
+def calibrate_cmd(
+    runs: Path = typer.Option(..., "--runs", help="Folder of measurements (from `memfit measure --out`)."),
+    out: Path = typer.Option(Path("calibrated.json"), "--out", help="Profile file to write."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Start from this profile (default: built-in)."),
+    memory_constants: Optional[str] = typer.Option(None, "--memory-constants", help="Comma-separated "
+                                                   "constants fitted to the allocated peak (default: "
+                                                   + ",".join(DEFAULT_MEMORY_CONSTANTS) + ")."),
+    time_constants: Optional[str] = typer.Option(None, "--time-constants", help="Comma-separated constants "
+                                                 "fitted to step time (default: "
+                                                 + ",".join(DEFAULT_TIME_CONSTANTS) + "; 'none' to skip)."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Fit the estimator's free constants to saved measurements; write a profile for --profile."""
+    from memfit.cli.output import print_json
+    from memfit.estimate.constants import Profile
+    from memfit.measure.calibrate import calibrate, load_records, run_estimate_fn, save_profile
+
+    def names(text: Optional[str], default: tuple[str, ...]) -> list[str]:
+        if text is None:
+            return list(default)
+        if text.strip().lower() == "none":
+            return []
+        return [t.strip() for t in text.split(",") if t.strip()]
+
+    records = load_records(runs)
+    base = Profile.load(profile) if profile is not None else Profile()
+    fitted, reports = calibrate(records, base, run_estimate_fn(),
+                                memory_fields=names(memory_constants, DEFAULT_MEMORY_CONSTANTS),
+                                time_fields=names(time_constants, DEFAULT_TIME_CONSTANTS))
+    path = save_profile(fitted, out)
+    if json_:
+        print_json({"profile": str(path), "records": len(records), "fits": reports,
+                    "calibrated": fitted.calibrated})
+    else:
+        from memfit.cli.measure_view import show_calibration
+
+        show_calibration(reports, path, len(records))
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add ``measure`` and ``calibrate`` to ``app``."""
+    try:
+        from memfit.cli.plan_cmds import _with_strategy_flags
+    except ImportError:  # the plan CLI is absent: measure takes run files and --set only
+        def _with_strategy_flags(fn):  # type: ignore[no-redef]
+            import functools
+
+            @functools.wraps(fn)
+            def wrapper(**kw):
+                fn(**kw)
+            return wrapper
+    app.command("measure")(_with_strategy_flags(measure_cmd))
+    app.command("calibrate")(calibrate_cmd)

@@ -33,11 +33,28 @@ def measured_by_component(components: dict[str, int]) -> dict[str, int]:
     return {name: sum(int(components.get(c, 0)) for c in cats) for name, cats in COMPONENT_MAP.items()}
 
 
+# estimate lines folded into the compared components (lines absent from an estimate count 0)
+PREDICTED_MAP: dict[str, tuple[str, ...]] = {
+    "weights": ("weights", "gathered_params"),
+    "gradients": ("gradients",),
+    "optimizer": ("optimizer",),
+    "activations": ("activations", "lora_intermediates", "meft_buffers"),
+    "logits": ("logits",),
+    "overhead": ("overhead", "comm_buffers"),
+}
+
+
 def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
-    """The per-device memory components of an ``Estimate.to_dict()`` (tolerant of missing keys)."""
+    """The per-device memory components of an ``Estimate.to_dict()``, folded as PREDICTED_MAP says."""
     mem = (predicted or {}).get("memory", {})
     gpu = mem.get("gpu_bytes") or mem.get("per_gpu_bytes") or {}
-    return {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float))}
+    lines = {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float))}
+    if not lines:
+        return {}
+    out = {name: sum(lines.get(k, 0.0) for k in keys) for name, keys in PREDICTED_MAP.items()}
+    if "total" in lines:
+        out["total"] = lines["total"]
+    return out
 
 
 def predicted_step_seconds(predicted: dict[str, Any]) -> Optional[float]:
@@ -72,8 +89,9 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
                      "error_pct": error_pct(total_p, measured["peak_reserved_bytes"])})
     if measured.get("peak_rss_bytes") is not None:
         rss_p = (predicted or {}).get("memory", {}).get("cpu_bytes", {}).get("total")
+        errors["rss"] = error_pct(rss_p, measured["peak_rss_bytes"])
         rows.append({"component": "process", "metric": "RSS", "predicted": rss_p,
-                     "measured": measured["peak_rss_bytes"], "error_pct": None})
+                     "measured": measured["peak_rss_bytes"], "error_pct": errors["rss"]})
     t_p, t_m = predicted_step_seconds(predicted), measured.get("step_seconds")
     errors["step_seconds"] = error_pct(t_p, t_m)
     rows.append({"component": "step time", "metric": "seconds", "predicted": t_p, "measured": t_m,

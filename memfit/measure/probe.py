@@ -297,5 +297,4 @@ def env_for_measurement(base: Optional[dict[str, str]] = None) -> dict[str, str]
     """Environment for a measured subprocess: glibc returns freed blocks, so RSS tracks tensors closer."""
     env = dict(os.environ if base is None else base)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     return env

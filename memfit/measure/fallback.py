@@ -1,0 +1,282 @@
+"""``memfit train --fallback``: on out-of-memory, continue from the last checkpoint with the next plan.
+
+An attempt ends on a CUDA out-of-memory error (``torch.OutOfMemoryError``) or on the configured memory
+cap (:class:`~memfit.measure.callback.MemoryLimitExceeded`, checked after every micro-step against the
+process's peak RSS). The attempt is recorded in ``OUTPUT/fallback.json``, memory is freed, and the run
+continues from the newest complete checkpoint with the next strategy:
+
+1. gradient checkpointing on;
+2. SDPA instead of eager attention;
+3. half the micro-batch, twice the accumulation (the effective batch stays the same);
+4. (several processes) a higher ZeRO stage, or FSDP ``full_shard`` instead of ``shard_grad_op``;
+5. (sharded runs) offload the optimizer, then the parameters.
+
+Where the estimator exists, the candidates are ordered as the planner ranks them (fastest predicted
+step first among those predicted lighter than the plan that failed); otherwise in the order above.
+Multi-process runs (DeepSpeed / FSDP) run each attempt under torchrun through
+``memfit.measure.fallback_worker``, whose ranks write an ``oom-rank{N}.json`` marker when they run out.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from memfit.errors import MemfitError
+
+FALLBACK_LOG = "fallback.json"
+MARKER_DIR = ".fallback"
+INJECT_ENV = "MEMFIT_INJECT_OOM_AT_STEP"   # drills/tests: raise an OOM at this step of the first attempt
+LIMIT_ENV = "MEMFIT_MEMORY_LIMIT"          # a CPU memory cap, e.g. "6GB" (peak RSS)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1024, "MIB": 1024 ** 2,
+             "GIB": 1024 ** 3, "TIB": 1024 ** 4}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        return int(float(num) * units[unit])
+    except (ValueError, KeyError):
+        raise MemfitError(f"{LIMIT_ENV}={text!r}: give a size such as 6GB, 512MB or 8GiB") from None
+
+
+# --------------------------------------------------------------------------- the ladder
+def _with(strategy: Any, **update: Any) -> Optional[Any]:
+    from pydantic import ValidationError
+
+    from memfit.spec.strategy import Strategy
+
+    try:
+        return Strategy.model_validate({**strategy.model_dump(), **update})
+    except ValidationError:
+        return None
+
+
+def ladder(run: Any) -> list[tuple[str, Any]]:
+    """(what changes, new Strategy) for every single lighter step from ``run.strategy``."""
+    s = run.strategy
+    world = run.distributed.nproc * run.distributed.nodes
+    out: list[tuple[str, Any]] = []
+    if not s.gradient_checkpointing:
+        out.append(("gradient checkpointing on", _with(s, gradient_checkpointing=True)))
+    if s.attention == "eager":
+        out.append(("SDPA attention instead of eager", _with(s, attention="sdpa")))
+    if s.micro_batch_size > 1:
+        mb = s.micro_batch_size // 2 if s.micro_batch_size % 2 == 0 else 1
+        ga = s.grad_accum * s.micro_batch_size // mb
+        out.append((f"micro-batch {s.micro_batch_size}→{mb}, grad_accum {s.grad_accum}→{ga}",
+                    _with(s, micro_batch_size=mb, grad_accum=ga)))
+    if world > 1:
+        if s.fsdp == "shard_grad_op":
+            out.append(("FSDP full_shard", _with(s, fsdp="full_shard")))
+        elif not s.fsdp and s.zero_stage < 3:
+            out.append((f"ZeRO stage {s.zero_stage}→{s.zero_stage + 1}", _with(s, zero_stage=s.zero_stage + 1)))
+    if s.zero_stage or s.fsdp:
+        if s.offload == "none":
+            out.append(("offload optimizer to CPU", _with(s, offload="optimizer")))
+        elif s.offload == "optimizer" and (s.zero_stage == 3 or s.fsdp == "full_shard"):
+            out.append(("offload optimizer and parameters", _with(s, offload="optimizer+params")))
+    return [(why, st) for why, st in out if st is not None]
+
+
+def _ranked(run: Any, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The planner's order where the estimator exists: lighter than the failed plan, fastest first."""
+    try:
+        from memfit.estimate import estimate
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import resolve_model
+
+        model = resolve_model(run.model)
+        hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
+        now = estimate(model, hw, run.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
+        scored = []
+        for i, (why, st) in enumerate(options):
+            d = estimate(model, hw, st).to_dict()
+            mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
+            if mem < now:
+                scored.append((secs, i, why, st))
+        if scored:
+            return [(why, st) for _, _, why, st in sorted(scored)]
+    except Exception:  # estimator absent or unable: keep the fixed order
+        pass
+    return options
+
+
+def next_plan(run: Any) -> Optional[tuple[str, Any]]:
+    """The next lighter strategy after ``run`` failed, or None when the ladder is exhausted."""
+    from memfit.spec.run import run_from_dict
+
+    options = _ranked(run, ladder(run))
+    try:
+        from memfit.plan.rules import check
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import resolve_model
+
+        model, hw = resolve_model(run.model), parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
+        options = [(why, st) for why, st in options if not check(model, hw, st)]
+    except Exception:
+        pass
+    if not options:
+        return None
+    why, st = options[0]
+    raw = run.model_dump(mode="json")
+    raw["strategy"] = st.model_dump(mode="json")
+    return why, run_from_dict(raw, source="fallback")
+
+
+# --------------------------------------------------------------------------- attempts
+def _is_oom(err: BaseException) -> bool:
+    import torch
+
+    from memfit.measure.callback import MemoryLimitExceeded
+
+    if isinstance(err, (torch.OutOfMemoryError, MemoryLimitExceeded)):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _latest_step(out: Path) -> Optional[tuple[int, str]]:
+    from memfit.train.checkpoint import checkpoints
+
+    found = checkpoints(out)
+    if not found:
+        return None
+    return int(found[-1].name.split("-")[-1]), str(found[-1])
+
+
+def _write_log(out: Path, log: dict[str, Any]) -> None:
+    from memfit.measure.callback import write_json_atomic
+
+    write_json_atomic(log, out / FALLBACK_LOG)
+
+
+def _guard(limit: Optional[int], inject_at: Optional[int]):
+    from memfit.measure.callback import ProbeCallback
+
+    # warmup beyond any step: the probe never runs, only the cap and the injection
+    return ProbeCallback(warmup=10 ** 9, steps=1, memory_limit_bytes=limit, inject_oom_at=inject_at)
+
+
+def _attempt_single(run: Any, resume: bool, callbacks: Sequence, limit: Optional[int],
+                    inject_at: Optional[int]):
+    from memfit.train.api import train
+
+    return train(run, callbacks=[*callbacks, _guard(limit, inject_at)], resume=resume)
+
+
+def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Optional[int], out: Path):
+    """One attempt under torchrun; returns None on success, or the error text of an OOM'd rank."""
+    import subprocess
+    import sys
+
+    from memfit.measure.runner import _free_port
+    from memfit.spec.run import save_run
+
+    markers = out / MARKER_DIR
+    markers.mkdir(parents=True, exist_ok=True)
+    for p in markers.glob("oom-rank*.json"):
+        p.unlink()
+    run_path = save_run(run, markers / "attempt-run.yaml")
+    spec = {"run_path": str(run_path), "resume": resume, "limit": limit, "inject_at": inject_at,
+            "markers": str(markers)}
+    (markers / "attempt.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.distributed.nproc}",
+           f"--master_port={_free_port()}", "-m", "memfit.measure.fallback_worker",
+           str(markers / "attempt.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    ooms = [json.loads(p.read_text()) for p in sorted(markers.glob("oom-rank*.json"))]
+    if ooms:
+        return "; ".join(f"rank {o['rank']}: {o['error']}" for o in ooms)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {tail}")
+    return None
+
+
+def train_with_fallback(run: Any, *, run_path: Optional[str] = None, overrides: Sequence[str] = (),
+                        resume: bool = False, callbacks: Sequence = (), max_attempts: int = 6,
+                        memory_limit: Optional[int] = None, inject_oom_at: Optional[int] = None):
+    """Train ``run``; on out-of-memory continue with the next plan. Returns the final TrainResult
+    (for multi-process runs: the rank-0 summary dict), with every attempt logged in fallback.json."""
+    out = Path(run.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if memory_limit is None and os.environ.get(LIMIT_ENV):
+        memory_limit = parse_bytes(os.environ[LIMIT_ENV])
+    if inject_oom_at is None and os.environ.get(INJECT_ENV):
+        inject_oom_at = int(os.environ[INJECT_ENV])
+    log: dict[str, Any] = {"run_file": run_path, "overrides": list(overrides), "memory_limit": memory_limit,
+                           "attempts": []}
+    current, resume_now = run, resume
+    multi = run.distributed.nproc * run.distributed.nodes > 1
+    for attempt in range(1, max_attempts + 1):
+        entry: dict[str, Any] = {"attempt": attempt, "strategy": current.strategy.label(),
+                                 "levers": current.strategy.model_dump(mode="json"),
+                                 "resumed_from": (_latest_step(out) or (None, None))[1] if resume_now else None,
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        log["attempts"].append(entry)
+        _write_log(out, log)
+        inject = inject_oom_at if attempt == 1 else None
+        error: Optional[str] = None
+        result = None
+        if multi:
+            error = _attempt_multi(current, resume_now, memory_limit, inject, out)
+        else:
+            try:
+                result = _attempt_single(current, resume_now, callbacks, memory_limit, inject)
+            except BaseException as err:  # noqa: BLE001 - only OOMs are handled, the rest re-raised
+                if not _is_oom(err):
+                    raise
+                error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                err.__traceback__ = None  # drop the frames that hold the model and optimizer
+                del err
+        if error is None:
+            entry["outcome"] = "finished"
+            _write_log(out, log)
+            if result is None:  # multi-process: the rank-0 summary
+                summary = out / "summary.json"
+                result = json.loads(summary.read_text()) if summary.is_file() else {"output_dir": str(out)}
+            _attach(result, log)
+            return result
+        free_memory()
+        last = _latest_step(out)
+        entry.update(outcome="out of memory", error=error, last_checkpoint=last[1] if last else None)
+        nxt = next_plan(current)
+        if nxt is None:
+            _write_log(out, log)
+            raise MemfitError(f"out of memory with {current.strategy.label()} and no lighter plan is left "
+                              f"(tried {attempt}); see {out / FALLBACK_LOG} and `memfit plan` for bigger "
+                              "hardware")
+        why, current = nxt
+        entry["next"] = why
+        resume_now = last is not None
+        _write_log(out, log)
+    raise MemfitError(f"out of memory {max_attempts} times; giving up (see {out / FALLBACK_LOG})")
+
+
+def _attach(result: Any, log: dict[str, Any]) -> None:
+    n = len(log["attempts"])
+    if n == 1:
+        return
+    note = (f"--fallback: {n - 1} out-of-memory attempt(s); finished with "
+            f"{log['attempts'][-1]['strategy']} (" + "; ".join(a.get("next", "") for a in log["attempts"][:-1])
+            + ")")
+    if isinstance(result, dict):
+        result.setdefault("notes", []).append(note)
+        result["fallback"] = log
+    elif hasattr(result, "notes"):
+        result.notes.append(note)

@@ -1,0 +1,33 @@
+"""One rank of a multi-process ``--fallback`` attempt (started by torchrun from memfit.measure.fallback).
+
+It trains the attempt's run file; when this rank runs out of memory it writes ``oom-rank{N}.json`` in the
+marker folder before exiting non-zero, so the orchestrator can tell an OOM from any other failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    from memfit.measure.callback import process_rank, write_json_atomic
+    from memfit.measure.fallback import _attempt_single, _is_oom
+    from memfit.spec.run import load_run
+
+    run = load_run(spec["run_path"])
+    try:
+        _attempt_single(run, bool(spec["resume"]), (), spec.get("limit"), spec.get("inject_at"))
+    except BaseException as err:  # noqa: BLE001
+        if not _is_oom(err):
+            raise
+        write_json_atomic({"rank": process_rank(), "error": f"{type(err).__name__}: {err}"[:300]},
+                          Path(spec["markers"]) / f"oom-rank{process_rank()}.json")
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

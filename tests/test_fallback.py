@@ -1,0 +1,103 @@
+"""train --fallback: an injected out-of-memory stops the attempt, the run resumes from the last checkpoint
+with the next plan, and the final model equals a run that used that plan from the start."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memfit.measure.fallback import ladder, next_plan, parse_bytes, train_with_fallback  # noqa: E402
+from memfit.measure.worker import synthetic_text_records  # noqa: E402
+from memfit.spec.run import run_from_dict  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from memfit.train.demo import TinyModelConfig, build_tiny_model
+
+    root = tmp_path_factory.mktemp("fallback")
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
+    texts = [r["text"] for r in synthetic_text_records(50, 32, seed=1)]
+    model = build_tiny_model(root / "micro", cfg, seed=0, texts=texts)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(40, 32, seed=2)))
+    return model, data, root
+
+
+def _run(assets, out, **strategy):
+    model, data, _ = assets
+    s = {"method": "lora", "precision": "fp32", "seq_len": 32, "micro_batch_size": 1, "grad_accum": 1,
+         "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "attention": "sdpa", **strategy}
+    return run_from_dict({"model": str(model), "hardware": "local",
+                          "data": {"path": str(data), "format": "text", "eval_fraction": 0.0},
+                          "strategy": s, "output_dir": str(out),
+                          "training": {"max_steps": 4, "checkpoint_interval": 1, "learning_rate": 1e-2,
+                                       "seed": 0, "logging_interval": 1}})
+
+
+def _adapter(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = list((out / "adapter").glob("*.safetensors"))
+    assert files, f"no adapter written in {out}"
+    return load_file(str(files[0]))
+
+
+def _assert_same(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
+
+
+def test_ladder_keeps_the_effective_batch():
+    run = run_from_dict({"model": "x", "strategy": {"micro_batch_size": 4, "grad_accum": 3,
+                                                    "gradient_checkpointing": True}})
+    (why, s), = ladder(run)
+    assert s.micro_batch_size * s.grad_accum == 12 and s.micro_batch_size == 2
+    run2 = run_from_dict({"model": "x", "distributed": {"nproc": 2},
+                          "strategy": {"gradient_checkpointing": True, "zero_stage": 2}})
+    whys = [w for w, _ in ladder(run2)]
+    assert whys == ["ZeRO stage 2→3", "offload optimizer to CPU"]
+
+
+def test_parse_bytes():
+    assert parse_bytes("6GB") == 6_000_000_000 and parse_bytes("1GiB") == 1 << 30
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match="6GB"):
+        parse_bytes("lots")
+
+
+def test_fallback_switches_on_checkpointing_and_matches_a_direct_run(assets):
+    root = assets[2]
+    run = _run(assets, root / "a", gradient_checkpointing=False)
+    assert next_plan(run)[1].strategy.gradient_checkpointing
+    result = train_with_fallback(run, inject_oom_at=3)
+    log = json.loads((root / "a" / "fallback.json").read_text())
+    assert [a["outcome"] for a in log["attempts"]] == ["out of memory", "finished"]
+    assert "injected out-of-memory at step 3" in log["attempts"][0]["error"]
+    assert log["attempts"][0]["last_checkpoint"].endswith("checkpoint-2")
+    assert log["attempts"][1]["resumed_from"].endswith("checkpoint-2")
+    assert log["attempts"][1]["levers"]["gradient_checkpointing"] is True
+    assert result.steps == 4 and any("--fallback" in n for n in result.notes)
+    assert result.resumed_from.endswith("checkpoint-2")  # resumed, not restarted from scratch
+
+    direct = train_with_fallback(_run(assets, root / "b", gradient_checkpointing=True))
+    assert direct.steps == 4
+    _assert_same(_adapter(root / "a"), _adapter(root / "b"), atol=1e-6)
+
+
+def test_fallback_halves_micro_batch_and_matches_a_direct_run(assets):
+    root = assets[2]
+    run = _run(assets, root / "c", gradient_checkpointing=True, micro_batch_size=2)
+    train_with_fallback(run, inject_oom_at=2)
+    log = json.loads((root / "c" / "fallback.json").read_text())
+    assert log["attempts"][1]["levers"]["micro_batch_size"] == 1
+    assert log["attempts"][1]["levers"]["grad_accum"] == 2
+    train_with_fallback(_run(assets, root / "d", gradient_checkpointing=True, micro_batch_size=1,
+                             grad_accum=2))
+    _assert_same(_adapter(root / "c"), _adapter(root / "d"), atol=1e-5)
