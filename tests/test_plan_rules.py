@@ -120,3 +120,17 @@ def test_make_strategy_names_the_field():
         make_strategy(zero_stage=5)
     with pytest.raises(ConfigError, match="offload='optimizer' is done by DeepSpeed ZeRO or FSDP"):
         make_strategy(offload="optimizer")
+
+
+def test_one_device_skips_sharding_without_offload():
+    one = parse_hardware("1xA100-80GB")
+    space = list(enumerate_strategies(LLAMA, one, seq_len=512, micro_batch_size=1, methods=["lora"]))
+    assert all(s.engine == "ddp" or s.offload != "none" for s in space)
+    assert any(s.zero_stage == 3 and s.offload == "optimizer+params" for s in space)  # offload still searched
+    asked = list(enumerate_strategies(LLAMA, one, seq_len=512, micro_batch_size=1, fixed={"zero_stage": 2}))
+    assert any(s.zero_stage == 2 and s.offload == "none" for s in asked)  # unless the user asks for it
+
+
+def test_meft_top_k_cannot_exceed_neurons():
+    found = reasons(LLAMA, A100, method="meft", meft_neurons=32, meft_top_k=64)
+    assert len(found) == 1 and "meft_top_k=64 exceeds meft_neurons=32" in found[0]

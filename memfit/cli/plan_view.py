@@ -61,8 +61,12 @@ def summary_table(d: dict, hardware: Any) -> Table:
     t.add_row("model", f"{m.get('name')}  ({m.get('parameters', 0):,} parameters, "
                        f"{m.get('trainable_parameters', 0):,} trainable)")
     hw = d.get("hardware", {})
-    t.add_row("hardware", f"{facts.hardware_text(hardware)}  ({_gb(hw.get('gpu_memory_bytes'))} GB per GPU, "
-                          f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
+    if facts.is_cpu(hardware):
+        t.add_row("hardware", f"{facts.hardware_text(hardware)}: the CPU as the training device "
+                              f"({_gb(hw.get('cpu_ram_bytes'))} GB RAM)")
+    else:
+        t.add_row("hardware", f"{facts.hardware_text(hardware)}  ({_gb(hw.get('gpu_memory_bytes'))} GB per GPU, "
+                              f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
     keys = ["method", "zero_stage", "fsdp", "offload", "gradient_checkpointing", "attention", "optimizer",
             "precision", "micro_batch_size", "grad_accum", "seq_len"]
     if s.get("method") in ("lora", "qlora"):
@@ -77,13 +81,19 @@ def summary_table(d: dict, hardware: Any) -> Table:
                  for k in ("compute_seconds", "comm_exposed_seconds", "offload_seconds", "cpu_optimizer_seconds",
                            "gpu_optimizer_seconds", "meft_seconds") if time.get(k)]
         t.add_row("step time", f"{time['step_seconds']:.3f} s per optimizer step, "
-                               f"{time.get('tokens_per_second', 0):,.0f} tokens/s  ({' + '.join(parts)})")
+                               f"{_rate(time.get('tokens_per_second', 0))} tokens/s  ({' + '.join(parts)})")
     floors = d.get("floors") or {}
     if floors:
         t.add_row("floors", f"memory {_gb(floors.get('memory_bytes'))} GB per GPU (frozen weights at their "
                             f"precision, no combination goes under); time {floors.get('step_seconds', 0):.3g} s "
                             "per step (FLOPs / peak FLOP/s)")
     return t
+
+
+def _rate(v: Optional[float]) -> str:
+    if not v:
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def _show(v: Any) -> str:
@@ -110,7 +120,7 @@ def candidates_table(candidates: list, top: int, hardware: Any) -> Table:
         t.add_column(col, justify=just, no_wrap=True)
     for i, c in enumerate(candidates[:top], 1):
         tps = c.to_dict().get("time", {}).get("tokens_per_second")
-        t.add_row(str(i), c.strategy.label(), f"{c.step_seconds:.3f}", f"{tps:,.0f}" if tps else "-",
+        t.add_row(str(i), c.strategy.label(), f"{c.step_seconds:.3g}", _rate(tps),
                   _gb(c.gpu_total), _gb(c.cpu_total))
     return t
 
@@ -151,7 +161,7 @@ def show_gpu_count(result: Any, emitted: list = ()) -> None:
         tps = rec.to_dict().get("time", {}).get("tokens_per_second")
         mark = "[green]▶[/green] " if best is r else ""
         t.add_row(mark + str(r.gpus), short_label(rec.strategy), f"{rec.step_seconds:.3g}",
-                  f"{tps:.0f}" if tps else "-", f"{rec.gpu_total / 1e9:.1f}", f"{rec.cpu_total / 1e9:.1f}",
+                  _rate(tps), f"{rec.gpu_total / 1e9:.1f}", f"{rec.cpu_total / 1e9:.1f}",
                   f"{r.steps}" if r.steps is not None else "-",
                   f"{r.hours:.1f}" if r.hours is not None else "-",
                   f"{r.cost:.2f}" if r.cost is not None else "-")

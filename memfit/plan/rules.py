@@ -70,6 +70,9 @@ def _meft(model: Any, hw: Any, s: Strategy) -> str | None:
         return (f"method=meft with {s.engine}: MEFT keeps its adapter and optimizer in CPU memory and "
                 "updates them with its own CPU Adam, so it runs with plain DDP only; set zero_stage=0 "
                 "and fsdp=false")
+    if s.meft_top_k > s.meft_neurons:
+        return (f"method=meft: meft_top_k={s.meft_top_k} exceeds meft_neurons={s.meft_neurons} (a token cannot "
+                "activate more neurons than exist); lower --meft-top-k or raise --meft-neurons")
     if s.optimizer != "adamw":
         return (f"method=meft with optimizer={s.optimizer}: MEFT's CPU-resident adapter is updated by a "
                 "CPU AdamW; use optimizer=adamw")

@@ -21,6 +21,10 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def _sec(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.3g}"
+
+
 @dataclass
 class Rejection:
     strategy: Strategy
@@ -160,6 +164,11 @@ def plan(
     return result
 
 
+def _recipe(s: Strategy) -> tuple:
+    """What makes two candidates different enough to both be worth a sentence."""
+    return (s.method, s.engine, s.gradient_checkpointing)
+
+
 def _pct(a: float, b: float) -> str:
     return f"{(a / b - 1) * 100:+.0f}%" if b else "n/a"
 
@@ -175,24 +184,27 @@ def explain_plan(p: Plan) -> list[str]:
     if rec is not None:
         why.append(
             f"{rec.strategy.label()} is the fastest of the {len(p.candidates)} combinations that fit "
-            f"({n_tried} tried): {rec.step_seconds:.3g} s/step using {_gb(rec.gpu_total)} of "
-            f"{_gb(gpu_cap)} per GPU with {p.margin:.0%} kept free."
+            f"({n_tried} tried): {_sec(rec.step_seconds)} s/step using {_gb(rec.gpu_total)} of "
+            f"{_gb(gpu_cap)} {'of RAM' if facts.is_cpu(p.hardware) else 'per GPU'} with {p.margin:.0%} kept free."
         )
-        seen = {rec.strategy.label()}
+        seen = {_recipe(rec.strategy)}
         for c in p.candidates[1:]:
             if len(seen) >= 4:
                 break
-            if c.strategy.label() in seen:
+            if _recipe(c.strategy) in seen:
                 continue
-            seen.add(c.strategy.label())
-            why.append(f"Runner-up {c.strategy.label()}: {c.step_seconds:.3g} s/step "
+            seen.add(_recipe(c.strategy))
+            why.append(f"Runner-up {c.strategy.label()}: {_sec(c.step_seconds)} s/step "
                        f"({_pct(c.step_seconds, rec.step_seconds)}), {_gb(c.gpu_total)} per GPU.")
-        faster = sorted((r for r in p.rejected if r.kind == "memory" and r.estimate is not None
-                         and r.estimate.step_seconds < rec.step_seconds),
-                        key=lambda r: r.estimate.step_seconds)
-        for r in faster[:3]:
+        shown: set = set()
+        for r in sorted((r for r in p.rejected if r.kind == "memory" and r.estimate is not None
+                         and r.estimate.step_seconds < rec.step_seconds), key=lambda r: r.estimate.step_seconds):
+            key = (r.strategy.method, r.strategy.gradient_checkpointing)
+            if key in shown or len(shown) >= 3:
+                continue
+            shown.add(key)
             why.append(f"Faster but does not fit: {r.strategy.label()} "
-                       f"({r.estimate.step_seconds:.3g} s/step, {_pct(r.estimate.step_seconds, rec.step_seconds)}) "
+                       f"({_sec(r.estimate.step_seconds)} s/step, {_pct(r.estimate.step_seconds, rec.step_seconds)}) "
                        f"{short_reason(r.estimate, p.hardware)}.")
     else:
         why.append(f"Nothing fits: {n_mem} of {n_tried} combinations exceed memory, {n_rule} cannot run here.")
@@ -235,7 +247,7 @@ def what_would_fit(p: Plan, close: Rejection) -> list[str]:
             found = plan(p.model, pool, explain=False, **p.search_args)
             if found.recommended is not None:
                 hints.append(f"On {facts.hardware_text(pool)} it would fit: {found.recommended.strategy.label()} "
-                             f"at {found.recommended.step_seconds:.3g} s/step.")
+                             f"at {_sec(found.recommended.step_seconds)} s/step.")
                 break
         else:
             hints.append("No pool of up to 4 nodes of 8 of these GPUs fits it; use larger GPUs, "

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 from pydantic import ValidationError
 
 from memfit.errors import ConfigError
-from memfit.plan import rules
+from memfit.plan import facts, rules
 from memfit.spec.strategy import ATTENTIONS, METHODS, OFFLOADS, Strategy
 
 # (zero_stage, fsdp) per engine, fastest-to-leanest order.
@@ -123,8 +123,10 @@ def enumerate_strategies(
     if "lora_targets" not in fixed:
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
     engines = engines_for(zero_stages, fixed)
+    # One device: sharding over it saves nothing, so ZeRO/FSDP only matter with offload (unless asked for).
+    one_device = facts.world_size(hardware) == 1 and not ({"zero_stage", "fsdp"} & set(fixed))
     args = (tuple(methods), tuple(engines), tuple(offloads), tuple(gcs), tuple(attentions),
-            tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")))
+            tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")), one_device)
     try:
         space = _space(*args)
     except TypeError:  # an unhashable fixed value: build without the cache
@@ -134,7 +136,7 @@ def enumerate_strategies(
 
 @lru_cache(maxsize=256)
 def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentions: tuple,
-           base_items: tuple, fixed_storage: tuple) -> tuple[Strategy, ...]:
+           base_items: tuple, fixed_storage: tuple, one_device: bool = False) -> tuple[Strategy, ...]:
     """The combinations for one set of choices (cached: a matrix reuses them across models)."""
     base = dict(base_items)
     precision = base["precision"]
@@ -146,6 +148,8 @@ def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentio
                 sharded = zero == 3 or bool(fsdp)
                 keys["quant_storage"] = rules.PARAM_DTYPE[precision] if sharded else "uint8"
             for offload in offloads:
+                if one_device and offload == "none" and (zero or fsdp):
+                    continue
                 for gc in gcs:
                     for attention in attentions:
                         try:
