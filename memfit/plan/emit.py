@@ -17,12 +17,20 @@ from memfit.spec.strategy import Strategy
 RUN_FILE = "run.yaml"
 
 
+def default_mode() -> int:
+    """rw for everyone the umask allows (mkstemp's temp files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _write_atomic(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

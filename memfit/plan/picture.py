@@ -13,9 +13,17 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.plan import facts
+from memfit.plan.emit import default_mode
 from memfit.plan.matrix import NO_FIT, Matrix
 
 NO_FIT_COLOUR = "#d9d9d9"
+
+
+def saving_level(strategy: Any) -> tuple:
+    """How much memory saving a recipe uses: sharding stage, then checkpointing, then offload."""
+    stage = strategy.zero_stage or {"full_shard": 3, "shard_grad_op": 2}.get(strategy.fsdp or "", 0)
+    offload = ("none", "optimizer", "optimizer+params").index(strategy.offload)
+    return (stage + int(strategy.gradient_checkpointing), stage, offload, strategy.method != "full")
 
 
 def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 110) -> Path:
@@ -30,9 +38,14 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
     if not path.suffix:
         raise MemfitError(f"--png {path}: give a file name with a suffix, e.g. matrix.png")
     rows = m.rows()
-    recipes = sorted({label.split(" ×")[0] for row in rows for label in row if label != NO_FIT})
-    cmap = plt.get_cmap("tab20" if len(recipes) > 10 else "tab10")
-    colours = {r: cmap(i % cmap.N) for i, r in enumerate(recipes)}
+    level: dict[str, tuple] = {}
+    for c in m.cells:
+        if c.recommended is not None:
+            level[c.label.split(" ×")[0]] = saving_level(c.recommended.strategy)
+    recipes = sorted(level, key=lambda r: (level[r], r))  # light → dark as more memory-saving is needed
+    cmap = plt.get_cmap("YlGnBu")
+    n = max(len(recipes), 1)
+    colours = {r: cmap(0.15 + 0.75 * i / max(n - 1, 1)) for i, r in enumerate(recipes)}
 
     n_rows, n_cols = len(m.models), len(m.seq_lens)
     fig, ax = plt.subplots(figsize=(1.6 * n_cols + 2.2, 0.75 * n_rows + 1.6))
@@ -43,8 +56,10 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
             y = n_rows - 1 - i
             ax.add_patch(Rectangle((j, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
             text = label.replace("+", "+\n", 1) if len(label) > 12 else label
+            r, g, b = colour[:3] if not isinstance(colour, str) else (0.85, 0.85, 0.85)
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
             ax.text(j + 0.5, y + 0.5, text, ha="center", va="center", fontsize=8,
-                    color="black" if label != NO_FIT else "#555555")
+                    color="white" if dark else ("black" if label != NO_FIT else "#555555"))
     ax.set_xlim(0, n_cols)
     ax.set_ylim(0, n_rows)
     ax.set_xticks([j + 0.5 for j in range(n_cols)], [str(s) for s in m.seq_lens])
@@ -65,6 +80,7 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, path)
     finally:
         plt.close(fig)

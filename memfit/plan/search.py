@@ -196,13 +196,14 @@ def explain_plan(p: Plan) -> list[str]:
             seen.add(_recipe(c.strategy))
             why.append(f"Runner-up {c.strategy.label()}: {_sec(c.step_seconds)} s/step "
                        f"({_pct(c.step_seconds, rec.step_seconds)}), {_gb(c.gpu_total)} per GPU.")
-        shown: set = set()
-        for r in sorted((r for r in p.rejected if r.kind == "memory" and r.estimate is not None
-                         and r.estimate.step_seconds < rec.step_seconds), key=lambda r: r.estimate.step_seconds):
-            key = (r.strategy.method, r.strategy.gradient_checkpointing)
-            if key in shown or len(shown) >= 3:
-                continue
-            shown.add(key)
+        # per (method, checkpointing): the faster combination that came closest to fitting
+        nearest: dict[tuple, Rejection] = {}
+        for r in p.rejected:
+            if r.kind == "memory" and r.estimate is not None and r.estimate.step_seconds < rec.step_seconds:
+                key = (r.strategy.method, r.strategy.gradient_checkpointing)
+                if key not in nearest or r.over_ratio < nearest[key].over_ratio:
+                    nearest[key] = r
+        for r in sorted(nearest.values(), key=lambda r: r.estimate.step_seconds)[:3]:
             why.append(f"Faster but does not fit: {r.strategy.label()} "
                        f"({_sec(r.estimate.step_seconds)} s/step, {_pct(r.estimate.step_seconds, rec.step_seconds)}) "
                        f"{short_reason(r.estimate, p.hardware)}.")
