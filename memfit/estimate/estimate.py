@@ -32,9 +32,13 @@ class Estimate:
                  "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
                  "margin", "usable_gpu_bytes")
 
-    def __init__(self, **kw: Any) -> None:
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
+                 reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes) -> None:
+        self.model, self.hardware, self.strategy = model, hardware, strategy
+        self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
+        self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
+        self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
+        self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
 
     @property
     def gpu_total(self) -> float:
@@ -71,6 +75,7 @@ class Estimate:
                 "gpu_overhead_bytes": {k: int(round(v)) for k, v in self.gpu_overhead.items()},
                 "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
                                    **{k: "engine" for k in GPU_ENGINE_LINES}, "overhead": "overhead"},
+                "gpu_allocated_bytes": int(round(self.gpu["total"] - self.gpu["overhead"])),
                 "usable_gpu_bytes": int(self.usable_gpu_bytes),
                 "margin": self.margin,
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},

@@ -44,7 +44,7 @@ class ModelNumbers:
 
     __slots__ = ("model", "tok_fixed", "tok_mlp", "q_kv_sdpa", "q_kv_eager", "attn_out", "norm_rms_extra",
                  "n_norms", "final_norm", "heads", "linear_params", "other_params", "layer_params",
-                 "largest_linear", "dropout_mask")
+                 "largest_linear", "dropout_mask", "_lora")
 
     def __init__(self, m: ModelSpec) -> None:
         self.model = m
@@ -65,6 +65,16 @@ class ModelNumbers:
         self.layer_params = m.layer_parameters
         self.largest_linear = max(lin.in_features * lin.out_features for lin in m.linears)
         self.tok_fixed = h
+        self._lora: dict = {}
+
+    def lora_sums(self, targets) -> tuple[int, int]:
+        """(adapted linears per layer, sum of their in_features) for ``targets`` (cached)."""
+        hit = self._lora.get(targets)
+        if hit is None:
+            lins = self.model.lora_linears(targets)
+            hit = (len(lins), sum(lin.in_features for lin in lins))
+            self._lora[targets] = hit
+        return hit
 
 
 _CACHE: dict[int, ModelNumbers] = {}
@@ -143,11 +153,9 @@ def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets,
     lora_dropout > 0 the dropped copy and its mask ((e + 1)·s·b·in); without dropout a cast copy (e·in)
     when the adapter's dtype differs from the compute dtype (PEFT keeps fp32 adapters under autocast),
     else nothing (the base linear's input is shared). With checkpointing only the recomputed layer(s)."""
-    per_layer = 0.0
+    count, sum_in = numbers(model).lora_sums(targets)
     copy = (e + 1.0) if dropout > 0 else (e if cast_copy else 0.0)
-    for lin in model.lora_linears(targets):
-        per_layer += e * r + copy * lin.in_features
-    per_layer *= b * s
+    per_layer = (count * e * r + copy * sum_in) * b * s
     layers = profile.checkpoint_extra_layers if checkpointing else model.layers
     return per_layer * layers
 
