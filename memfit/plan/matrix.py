@@ -116,14 +116,15 @@ def matrix(
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, margin=margin,
                   profile=profile, fixed=fixed, explain=False)
     for spec in specs:
+        memos: dict[int, dict] = {}  # rule verdicts per pool, shared across this model's sequence lengths
         for s in seq_lens:
-            first = found = plan(spec, hardware, seq_len=s, **kwargs)
+            first = found = plan(spec, hardware, seq_len=s, rule_memo=memos.setdefault(base_nodes, {}), **kwargs)
             nodes = base_nodes
             while found.recommended is None and nodes < max_nodes:
                 nodes += 1
                 if nodes not in pools:
                     pools[nodes] = facts.with_nodes(hardware, nodes)
-                found = plan(spec, pools[nodes], seq_len=s, **kwargs)
+                found = plan(spec, pools[nodes], seq_len=s, rule_memo=memos.setdefault(nodes, {}), **kwargs)
             if found.recommended is None:
                 found, nodes = first, base_nodes
             result.cells.append(Cell(facts.model_name(spec), s, found, nodes))

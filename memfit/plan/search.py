@@ -122,8 +122,13 @@ def plan(
     profile: Any = None,
     fixed: Optional[dict[str, Any]] = None,
     explain: bool = True,
+    rule_memo: Optional[dict] = None,
 ) -> Plan:
-    """Search the levers for ``model`` on ``hardware``; recommend the fastest combination that fits."""
+    """Search the levers for ``model`` on ``hardware``; recommend the fastest combination that fits.
+
+    ``rule_memo``: a dict to reuse rule verdicts across calls for the SAME model and hardware (the matrix
+    passes one per model and pool; rules do not read lengths, batch or checkpointing).
+    """
     from memfit.estimate import estimate
 
     if not 0.0 <= margin < 1.0:
@@ -133,7 +138,8 @@ def plan(
                               offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size,
                               grad_accum=grad_accum, margin=margin, profile=profile, fixed=fixed)
     tried = 0
-    rule_memo: dict[tuple, list[str]] = {}
+    if rule_memo is None:
+        rule_memo = {}
     for strategy in enumerate_strategies(
         model, hardware, methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
         offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
