@@ -181,3 +181,16 @@ def test_plan_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", "import memfit.cli.app, sys; assert 'torch' not in sys.modules"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_profile_changes_the_time_model(capsys, tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text('{"utilization": 0.225}')
+    args = ["estimate", "--model", "llama-2-7b", "--gpus", "8xA100-80GB", "--seq-len", "2048", "--json"]
+    _, base, _ = run(capsys, *args)
+    _, slow, _ = run(capsys, *args, "--profile", str(prof))
+    b, s = json.loads(base)["time"], json.loads(slow)["time"]
+    assert s["compute_seconds"] == pytest.approx(2 * b["compute_seconds"], rel=0.02)  # half the utilisation
+    prof.write_text('{"utilisation": 0.2}')
+    code, _, err = run(capsys, *args, "--profile", str(prof))
+    assert code == 2 and "unknown constant 'utilisation'" in err
