@@ -134,3 +134,25 @@ def test_one_device_skips_sharding_without_offload():
 def test_meft_top_k_cannot_exceed_neurons():
     found = reasons(LLAMA, A100, method="meft", meft_neurons=32, meft_top_k=64)
     assert len(found) == 1 and "meft_top_k=64 exceeds meft_neurons=32" in found[0]
+
+
+@pytest.mark.parametrize("fixed, zero_stages, engines", [
+    ({"fsdp": "full_shard"}, None, {"fsdp-full_shard"}),
+    ({"fsdp": False}, [2, 3], {"zero2", "zero3"}),
+    ({"zero_stage": 3}, None, {"zero3"}),
+    ({"zero_stage": 0, "fsdp": False}, None, {"ddp"}),
+    ({}, [0], {"ddp"}),
+    ({"fsdp": "shard_grad_op"}, [2, 3], {"fsdp-shard_grad_op"}),  # asking for FSDP overrides the stage list
+])
+def test_fixed_engine_keys(fixed, zero_stages, engines):
+    space = enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed=fixed, zero_stages=zero_stages)
+    assert {s.engine for s in space} == engines
+
+
+def test_contradicting_engine_keys():
+    with pytest.raises(ConfigError, match="two sharding engines"):
+        list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1,
+                                  fixed={"zero_stage": 2, "fsdp": "full_shard"}))
+    with pytest.raises(ConfigError, match="--zero 1 is not among --zero-stages 2,3"):
+        list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed={"zero_stage": 1},
+                                  zero_stages=[2, 3]))

@@ -103,12 +103,15 @@ def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Option
         raise ConfigError(f"--nodes {nodes}: must be a positive integer")
     spec = resolve_model(model)
     hw = parse_hardware(gpus or "local", cpu_ram=cpu_ram, nodes=nodes)
-    prof = None
-    if profile is not None:
-        from memfit.estimate.constants import Profile
+    return spec, hw, _profile(profile)
 
-        prof = Profile.load(profile)
-    return spec, hw, prof
+
+def _profile(path: Optional[Path]) -> Any:
+    if path is None:
+        return None
+    from memfit.estimate.constants import Profile
+
+    return Profile.load(path)
 
 
 def estimate_cmd(
@@ -178,7 +181,7 @@ def plan_cmd(
         from memfit.spec.model import resolve_model
 
         spec = resolve_model(model)
-        prof = _load(model, "local", None, None, profile)[2] if profile else None
+        prof = _profile(profile)
         result = gpu_count_search(spec, gpu, max_gpus=max_gpus, cpu_ram=cpu_ram, price=gpu_hour_price,
                                   tokens=tokens, steps=steps, profile=prof, **kwargs)
         written = _emit(emit, result.best.recommended, spec, model, result.best.plan.hardware, cpu_ram) \
@@ -244,7 +247,7 @@ def matrix_cmd(
     from memfit.spec.hardware import parse_hardware
 
     hw = parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes)
-    prof = _load("llama-2-7b", "local", None, None, profile)[2] if profile else None
+    prof = _profile(profile)
     offloads = ("none",) if no_offload else ("none", "optimizer", "optimizer+params") if param_offload \
         else ("none", "optimizer")
     lens = _int_list(seq_lens, "--seq-lens") or list(DEFAULT_SEQ_LENS)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
 from memfit.plan import facts, rules
-from memfit.plan.space import enumerate_strategies
+from memfit.plan.space import enumerate_strategies, make_strategy
 from memfit.spec.strategy import Strategy
 
 
@@ -161,6 +161,7 @@ def plan(
             reason, short, ratio = verdict
             result.rejected.append(Rejection(strategy, reason, "memory", est, short_bytes=short, over_ratio=ratio))
     if not tried:
+        make_strategy(**(fixed or {}))  # raises the validator's own message when the fixed keys contradict
         raise ConfigError("the fixed strategy keys leave no combination to try (e.g. offload needs "
                           "zero_stage>=1 or fsdp); loosen --method/--zero/--fsdp/--offload")
     result.candidates.sort(key=_rank_key)

@@ -70,17 +70,22 @@ def _check_choices(name: str, values: Iterable[Any], allowed: Iterable[Any]) -> 
 
 
 def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> list[tuple[int, Any]]:
-    """Engines to try. ``zero_stages`` restricts the search to DeepSpeed stages (0 = DDP), no FSDP."""
+    """Engines to try. ``zero_stages`` restricts the search to DeepSpeed stages (0 = DDP), no FSDP;
+    a fixed ``zero_stage`` / ``fsdp`` holds that key."""
     engines = list(ENGINES)
+    if "fsdp" in fixed and "zero_stage" in fixed:
+        make_strategy(zero_stage=fixed["zero_stage"], fsdp=fixed["fsdp"])  # raises if they contradict
     if zero_stages is not None:
         stages = _check_choices("--zero-stages", zero_stages, (0, 1, 2, 3))
-        engines = [(z, f) for z, f in engines if not f and z in stages]
-    if "zero_stage" in fixed:
-        engines = [(z, f) for z, f in engines if z == fixed["zero_stage"] and not f]
-        if not engines:
-            engines = [(int(fixed["zero_stage"]), False)]
+        if not fixed.get("fsdp"):
+            engines = [(z, f) for z, f in engines if not f and z in stages]
     if "fsdp" in fixed:
-        engines = [(z, f) for z, f in ENGINES if f == fixed["fsdp"] and (f or z == fixed.get("zero_stage", z))]
+        engines = [(z, f) for z, f in engines if f == fixed["fsdp"]]
+    if "zero_stage" in fixed:
+        engines = [(z, f) for z, f in engines if z == fixed["zero_stage"]]
+    if not engines:
+        raise ConfigError(f"--zero {fixed.get('zero_stage')} is not among --zero-stages "
+                          f"{','.join(map(str, zero_stages or ()))}; drop one of them")
     return engines
 
 
