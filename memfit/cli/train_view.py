@@ -1,0 +1,95 @@
+"""Formatting for ``memfit train`` / ``memfit demo``: the final summary (predicted beside measured) and the
+plan line. Plain Python and rich; no torch."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rich.table import Table
+
+from memfit.cli.output import console, human_bytes
+
+
+def _find(d: Any, *names: str) -> Optional[float]:
+    """The first numeric value under one of ``names`` in a (nested) estimate dict."""
+    if not isinstance(d, dict):
+        return None
+    for n in names:
+        v = d.get(n)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    for v in d.values():
+        if isinstance(v, dict):
+            found = _find(v, *names)
+            if found is not None:
+                return found
+    return None
+
+
+def predicted_figures(pred: Optional[dict]) -> tuple[Optional[float], Optional[float]]:
+    """(peak memory bytes, step time s) from an ``Estimate.to_dict()``."""
+    if not pred:
+        return None, None
+    try:  # the estimate --json contract
+        return float(pred["memory"]["gpu_bytes"]["total"]), float(pred["time"]["step_seconds"])
+    except (KeyError, TypeError, ValueError):
+        pass
+    peak = _find(pred, "peak_bytes", "total_bytes", "device_peak_bytes", "gpu_peak_bytes", "peak")
+    step = _find(pred, "step_time_s", "step_seconds", "step_s", "seconds_per_step")
+    return peak, step
+
+
+def _ratio(measured: Optional[float], predicted: Optional[float]) -> str:
+    if not measured or not predicted:
+        return ""
+    return f"{(predicted - measured) / measured * 100:+.0f}%"
+
+
+def summary_table(r: Any) -> Table:
+    """The final summary of a TrainResult (or its dict)."""
+    d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
+    t = Table(title=f"memfit train — {d['method']} — {d['steps']} steps", show_header=True,
+              header_style="bold")
+    t.add_column("")
+    t.add_column("measured", justify="right")
+    t.add_column("predicted", justify="right")
+    t.add_column("pred. vs meas.", justify="right")
+    first, final = d.get("first_loss"), d.get("final_loss")
+    if first is not None and final is not None:
+        t.add_row("train loss (first → last)", f"{first:.4f} → {final:.4f}", "", "")
+    if d.get("eval_loss") is not None:
+        t.add_row("eval loss", f"{d['eval_loss']:.4f}", "", "")
+    p_peak, p_step = predicted_figures(d.get("predicted"))
+    kind = "peak RSS (process)" if d["peak_mem_kind"] == "peak_rss" else "peak allocated (CUDA)"
+    t.add_row(f"peak memory, {kind}", human_bytes(d["peak_mem_bytes"]),
+              human_bytes(p_peak) if p_peak else "—", _ratio(d["peak_mem_bytes"], p_peak))
+    step = d.get("step_time_s")
+    t.add_row("step time (median)", f"{step * 1000:.1f} ms" if step else "—",
+              f"{p_step * 1000:.1f} ms" if p_step else "—", _ratio(step, p_step))
+    if d.get("tokens_per_s"):
+        t.add_row("tokens/s", f"{d['tokens_per_s']:.0f}", "", "")
+    m = d.get("model") or {}
+    if m:
+        t.add_row("parameters (trainable / all)", f"{m['trainable']:,} / {m['params']:,}", "", "")
+    data = d.get("data") or {}
+    if data:
+        t.add_row("examples (train / eval)", f"{data['train_examples']} / {data['eval_examples']}", "", "")
+        t.add_row("truncated examples (tokens cut)", f"{data['truncated']} ({data['tokens_cut']})", "", "")
+    return t
+
+
+def print_summary(r: Any) -> None:
+    d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
+    console.print(summary_table(d))
+    if d.get("peak_mem_kind") == "peak_rss":
+        console.print("[dim]On CPU the measured peak is the whole process's RSS (Python, libraries, "
+                      "allocator slack), not just tensors.[/dim]")
+    if not d.get("predicted"):
+        console.print("[dim]No prediction: the planner (memfit.estimate) gave none for this model here.[/dim]")
+    for note in d.get("notes") or []:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    if d.get("resumed_from"):
+        console.print(f"resumed from {d['resumed_from']}")
+    if d.get("saved_to"):
+        console.print(f"saved: [bold]{d['saved_to']}[/bold]")
+    console.print(f"metrics: {d['metrics_file']}")

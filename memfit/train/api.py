@@ -1,0 +1,205 @@
+"""``train(run)``: the library entry point behind ``memfit train``, ``memfit demo`` and ``python -m memfit.train``."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from memfit.errors import IncompatibleError, MemfitError
+
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    saved_to: Optional[str]            # adapter folder (lora/qlora), model folder (full) or MEFT file
+    method: str
+    steps: int
+    first_loss: Optional[float]
+    final_loss: Optional[float]
+    eval_loss: Optional[float]
+    losses: list[tuple[int, float]]
+    step_time_s: Optional[float]       # median wall time of an optimizer step (first step left out)
+    tokens_per_s: Optional[float]
+    train_tokens: int
+    peak_mem_bytes: int
+    peak_mem_kind: str                 # cuda_max_allocated | peak_rss
+    train_runtime_s: float
+    resumed_from: Optional[str]
+    metrics_file: str
+    data: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    predicted: Optional[dict] = None   # the estimate for this run's strategy, where memfit.estimate exists
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rank_info() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torch.distributed or the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+
+
+def predict(run) -> Optional[dict]:
+    """The planner's estimate for this run on this machine (None while memfit.estimate is absent)."""
+    try:
+        from memfit.estimate import estimate
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import resolve_model
+    except ImportError:
+        return None
+    try:
+        est = estimate(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram), run.strategy)
+    except MemfitError:
+        return None
+    return est.to_dict() if hasattr(est, "to_dict") else None
+
+
+def preflight(run) -> list[str]:
+    """Reasons this machine cannot run the strategy (memfit.plan.rules), when that module exists."""
+    try:
+        from memfit.plan.rules import check
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import resolve_model
+    except ImportError:
+        return []
+    try:
+        from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
+    except ImportError:
+        reasons = None
+    try:
+        if reasons is not None:
+            return reasons(run)
+        return list(check(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram),
+                          run.strategy))
+    except MemfitError:
+        return []
+
+
+def _write_json_atomic(obj: Any, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def save_outputs(run, model, tokenizer, out: Path) -> Optional[Path]:
+    """Adapter (lora/qlora), full weights (full) or the MEFT file, each written atomically."""
+    from memfit.train.checkpoint import atomic_dir
+
+    method = run.strategy.method
+    if method in ("lora", "qlora"):
+        dst = out / "adapter"
+        with atomic_dir(dst) as tmp:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+        return dst
+    if method == "full":
+        dst = out / "model"
+        with atomic_dir(dst) as tmp:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+        return dst
+    if method == "meft":
+        from memfit.train.model import meft_api
+
+        dst = out / "meft"
+        with atomic_dir(dst) as tmp:
+            meft_api().save_meft(model, str(tmp / "meft.safetensors"))
+        return dst
+    return None
+
+
+def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult:
+    """Train ``run`` (a RunSpec) in this process; rank 0 writes metrics, checkpoints' trainer state and
+    the final adapter/model. Extra ``transformers.TrainerCallback``s (e.g. a memory probe) are attached."""
+    from transformers import set_seed
+
+    from memfit.spec.run import save_run
+    from memfit.train.callbacks import MeftTraffic, MetricsWriter, StepStats, peak_memory_bytes
+    from memfit.train.checkpoint import clean_staging, latest_checkpoint
+    from memfit.train.data import prepare_datasets
+    from memfit.train.model import build_model, meft_api
+    from memfit.train.trainer import build_trainer
+
+    rank, local_rank, world = rank_info()
+    main = rank == 0
+    out = Path(run.output_dir).expanduser()
+    reasons = preflight(run)
+    if reasons:
+        raise IncompatibleError(f"strategy {run.strategy.label()} cannot run on this machine: "
+                                + "; ".join(reasons))
+    ckpt = latest_checkpoint(out) if resume else None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        clean_staging(out)
+
+    set_seed(run.training.seed)
+    from memfit.distributed.engine import prepare_process
+
+    prepare_process(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (no-op for DDP)
+    model, tokenizer, info = build_model(run, local_rank=local_rank)
+    train_ds, eval_ds, report = prepare_datasets(run, tokenizer, info.max_positions)
+
+    optimizer = None
+    stats = StepStats()
+    cbs: list = [stats]
+    metrics_path = out / METRICS_FILE
+    if main:
+        if not resume and metrics_path.exists():
+            metrics_path.unlink()
+        cbs.append(MetricsWriter(metrics_path))
+    if run.strategy.method == "meft":
+        meft = meft_api()
+        optimizer = meft.build_meft_optimizer(model, lr=run.training.learning_rate,
+                                              weight_decay=run.training.weight_decay)
+        cbs.append(MeftTraffic(model, meft.traffic))
+    cbs.extend(callbacks)
+    trainer = build_trainer(run, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
+    if main:
+        save_run(run, out / "run.yaml")
+
+    output = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+    eval_loss = None
+    if eval_ds is not None:
+        eval_loss = float(trainer.evaluate()["eval_loss"])
+
+    from memfit.distributed.engine import is_sharded, save_trained
+
+    if is_sharded(run):  # ZeRO / FSDP: every rank joins the gather, rank 0 writes
+        saved = save_trained(trainer, run, tokenizer, out)
+    else:
+        saved = save_outputs(run, trainer.model, tokenizer, out) if trainer.is_world_process_zero() else None
+    peak, kind = peak_memory_bytes()
+    losses = stats.losses
+    seen = trainer.state.num_input_tokens_seen
+    notes = list(info.notes)
+    if report.truncated:
+        notes.append(f"{report.truncated} examples were longer than seq_len={run.strategy.seq_len}: "
+                     f"{report.tokens_cut} tokens cut ({report.dropped} dropped with nothing left to learn)")
+    result = TrainResult(
+        output_dir=str(out), saved_to=str(saved) if saved else None, method=run.strategy.method,
+        steps=trainer.state.global_step,
+        first_loss=losses[0][1] if losses else None, final_loss=losses[-1][1] if losses else None,
+        eval_loss=eval_loss, losses=losses, step_time_s=stats.median_step_time(),
+        tokens_per_s=stats.tokens_per_s(seen - (trainer._initial_num_input_tokens_seen or 0)),
+        train_tokens=report.train_tokens, peak_mem_bytes=peak, peak_mem_kind=kind,
+        train_runtime_s=float(output.metrics.get("train_runtime", 0.0)),
+        resumed_from=str(ckpt) if ckpt else None, metrics_file=str(metrics_path),
+        data=report.to_dict(), model=info.to_dict(), predicted=predict(run) if main else None, notes=notes,
+    )
+    if main:
+        _write_json_atomic(result.to_dict(), out / SUMMARY_FILE)
+    return result

@@ -1,0 +1,126 @@
+"""Atomic checkpoints and resume.
+
+The Trainer writes ``checkpoint-N`` file by file; a run killed half-way would leave a folder that looks
+like a checkpoint. Here every checkpoint is written under ``OUT/.staging/`` and renamed into place only
+once complete, so any ``OUT/checkpoint-N`` is whole. Final outputs (adapter / model folders) are written
+the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+from memfit.errors import MemfitError
+
+STAGING = ".staging"
+PREFIX = "checkpoint-"
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move a finished folder into place; an existing ``dst`` is swapped out first, then removed."""
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(dst: Path) -> Iterator[Path]:
+    """Yield a temporary folder next to ``dst``; on success it becomes ``dst``, on error it is removed."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
+    try:
+        yield tmp
+        replace_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class AtomicCheckpointMixin:
+    """Mix into ``transformers.Trainer``: checkpoints are staged and renamed into place when complete."""
+
+    _memfit_staging = False
+
+    def _get_output_dir(self, trial):  # noqa: D401 - Trainer hook
+        out = super()._get_output_dir(trial)
+        return os.path.join(out, STAGING) if self._memfit_staging else out
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX}{self.state.global_step}"
+        staged = run_dir / STAGING / name
+        if self.args.should_save and staged.exists():
+            shutil.rmtree(staged)
+        _barrier()
+        self._memfit_staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._memfit_staging = False
+        _barrier()  # every rank has written its part
+        if self.args.should_save:
+            replace_dir(staged, run_dir / name)
+            shutil.rmtree(run_dir / STAGING, ignore_errors=True)
+            rotate(run_dir, self.args.save_total_limit)
+        _barrier()
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints in ``out_dir``, oldest first."""
+    out_dir = Path(out_dir)
+    found = []
+    for p in out_dir.glob(f"{PREFIX}*"):
+        step = p.name[len(PREFIX):]
+        if p.is_dir() and step.isdigit() and (p / "trainer_state.json").is_file():
+            found.append((int(step), p))
+    return [p for _, p in sorted(found)]
+
+
+def rotate(out_dir: Path, keep: Optional[int]) -> None:
+    if not keep:
+        return
+    for p in checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(out_dir: Path) -> Path:
+    """The newest complete checkpoint, or a MemfitError saying there is none."""
+    found = checkpoints(out_dir)
+    if not found:
+        raise MemfitError(f"--resume: no complete checkpoint in {out_dir} (set "
+                          "training.checkpoint_interval to write some, or run without --resume)")
+    return found[-1]
+
+
+def clean_staging(out_dir: Path) -> None:
+    """Remove what a killed run left half-written (only on the main process)."""
+    if not _is_main():
+        return
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir / STAGING, ignore_errors=True)
+    for p in out_dir.glob(".*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
