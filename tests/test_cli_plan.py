@@ -194,3 +194,13 @@ def test_profile_changes_the_time_model(capsys, tmp_path):
     prof.write_text('{"utilisation": 0.2}')
     code, _, err = run(capsys, *args, "--profile", str(prof))
     assert code == 2 and "unknown constant 'utilisation'" in err
+
+
+def test_estimate_korthikanti_activations_match_the_seed(capsys):
+    """arXiv 2406.02290 quotes 1.48 GB of activations for LLaMA-2-7B at s=256, b=1 (GPT-style count)."""
+    code, out, _ = run(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "8xA100-80GB", "--method", "full",
+                       "--zero", "3", "--seq-len", "256", "--attention", "eager", "--activation-formula",
+                       "korthikanti", "--json")
+    assert code == 0 and json.loads(out)["memory"]["gpu_bytes"]["activations"] == 1_476_395_008
+    code, _, err = run(capsys, "estimate", "--model", "llama-2-7b", "--margin", "-0.1")
+    assert code == 2 and "--margin -0.1" in err

@@ -120,6 +120,9 @@ def estimate_cmd(
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence.", rich_help_panel=S),
     batch_size: int = typer.Option(1, "--batch-size", help="Micro-batch per GPU.", rich_help_panel=S),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Gradient accumulation steps.", rich_help_panel=S),
+    activation_formula: Optional[str] = typer.Option(
+        None, "--activation-formula", help="derived (default: from the model's real blocks) | korthikanti "
+        "(GPT-style s·b·h·(34+5as/h), as arXiv 2406.02290 uses)", rich_help_panel=M),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
     **strategy_flags: Any,
 ) -> None:
@@ -130,7 +133,7 @@ def estimate_cmd(
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
     keys = _fixed_keys(**strategy_flags)
     keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
-    result = estimate_one(spec, hw, keys, margin=margin, profile=prof)
+    result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula)
     if result.rule_reasons:
         raise IncompatibleError(" Also: ".join(result.rule_reasons))
     if json_:

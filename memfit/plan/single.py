@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.errors import ConfigError
 from memfit.plan import rules
 from memfit.plan.space import make_strategy
 from memfit.spec.strategy import Strategy
@@ -55,10 +56,13 @@ class SingleEstimate:
 
 
 def estimate_one(model: Any, hardware: Any, keys: dict[str, Any], *, margin: float = 0.05,
-                 profile: Any = None) -> SingleEstimate:
+                 profile: Any = None, activation_formula: Any = None) -> SingleEstimate:
     """The estimate of the combination ``keys`` (Strategy fields), checked against rules and margin."""
     from memfit.estimate import estimate
 
     strategy = make_strategy(**complete_keys(model, hardware, keys))
-    est = estimate(model, hardware, strategy, profile=profile, margin=margin)
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(f"--margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% free")
+    est = estimate(model, hardware, strategy, profile=profile, margin=margin,
+                   activation_formula=activation_formula)
     return SingleEstimate(est, margin, rules.check(model, hardware, strategy))
