@@ -204,3 +204,21 @@ def test_estimate_korthikanti_activations_match_the_seed(capsys):
     assert code == 0 and json.loads(out)["memory"]["gpu_bytes"]["activations"] == 1_476_395_008
     code, _, err = run(capsys, "estimate", "--model", "llama-2-7b", "--margin", "-0.1")
     assert code == 2 and "--margin -0.1" in err
+
+
+def test_plan_a_model_folder_of_another_family(capsys, tmp_path):
+    """A GPT-NeoX folder (config.json only): LoRA targets become its own fused linears."""
+    folder = tmp_path / "neox"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 6,
+        "intermediate_size": 2048, "vocab_size": 50304, "max_position_embeddings": 2048}))
+    code, out, _ = run(capsys, "plan", "--model", str(folder), "--gpus", "1xT4-16GB", "--methods", "lora",
+                       "--seq-len", "1024", "--json")
+    assert code == 0
+    rec = json.loads(out)["recommended"]
+    assert rec["model"]["name"] == "neox" and rec["strategy"]["precision"] == "fp16-mixed"
+    assert rec["strategy"]["lora_targets"] == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    assert rec["strategy"]["attention"] != "fa2"  # T4: no FlashAttention-2
+    # one GPU: sharding saves nothing, so the plan is plain (DDP) unless it offloads
+    assert rec["strategy"]["zero_stage"] == 0 and rec["strategy"]["fsdp"] is False

@@ -23,7 +23,7 @@ GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA10
 CpuRamOpt = typer.Option(None, "--cpu-ram", help="CPU RAM per node, e.g. 128GB (default: catalog/detected).",
                          rich_help_panel=M)
 NodesOpt = typer.Option(None, "--nodes", help="Nodes of the pool (same as 2x8xGPU).", rich_help_panel=M)
-MarginOpt = typer.Option(0.05, "--margin", help="Fraction of GPU memory and CPU RAM kept free.", rich_help_panel=M)
+MarginOpt = typer.Option(0.05, "--margin", help="Fraction of each GPU's memory kept free.", rich_help_panel=M)
 ProfileOpt = typer.Option(None, "--profile", help="Calibrated constants (JSON from `memfit calibrate`).",
                           rich_help_panel=M)
 JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O)
