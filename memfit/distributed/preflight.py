@@ -1,0 +1,154 @@
+"""Checks before any weights load: can this process group run the run's strategy here?
+
+``reasons(run)`` returns one sentence per problem, each saying what to change; ``check(run)`` raises
+``IncompatibleError`` with them. It combines the planner's rules (``memfit.plan.rules.check``: FA2 on
+V100/T4, bf16 on V100, QLoRA + ZeRO-3/FSDP without the quant-storage rule, ...) with what only the
+launched processes know: the world size against the run file, GPUs on this node, DeepSpeed installed,
+CPU RAM for the chosen offload (from ``memfit.estimate``).
+
+Importing this module does not import torch; torch is asked only when a check needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Optional
+
+from memfit.errors import IncompatibleError, MemfitError
+from memfit.spec.run import RunSpec
+
+
+def launched_world() -> tuple[int, int]:
+    """(world size, processes on this node) of the current launch; (1, 1) without a launcher."""
+    env = os.environ
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            return world, int(env.get("LOCAL_WORLD_SIZE", world))
+    except ImportError:  # pragma: no cover - planning-only install
+        pass
+    world = int(env.get("WORLD_SIZE", "1"))
+    return world, int(env.get("LOCAL_WORLD_SIZE", world))
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _specs(run: RunSpec) -> tuple[Optional[Any], Optional[Any]]:
+    """(ModelSpec, HardwareSpec of this machine) or None where they cannot be read."""
+    model = hardware = None
+    try:
+        from memfit.spec.hardware import parse_hardware
+
+        hardware = parse_hardware("local", cpu_ram=run.cpu_ram)
+        if not hardware.gpu.is_cpu:
+            hardware = dataclasses.replace(hardware, gpus_per_node=run.distributed.nproc,
+                                           nodes=run.distributed.nodes)
+    except (ImportError, MemfitError):
+        pass
+    try:
+        from memfit.spec.model import resolve_model
+
+        model = resolve_model(run.model)
+    except (ImportError, MemfitError):
+        pass
+    return model, hardware
+
+
+def world_reasons(run: RunSpec, world: int, local_world: int, cuda_devices: int) -> list[str]:
+    """The launched layout against the run file and this node's GPUs."""
+    d = run.distributed
+    planned = d.nproc * d.nodes
+    out = []
+    if world != planned:
+        out.append(
+            f"{world} process(es) were launched but the run file plans distributed.nproc={d.nproc} x "
+            f"nodes={d.nodes} = {planned}; set --set distributed.nproc={max(local_world, 1)} "
+            f"(and distributed.nodes) to match, or launch with `memfit launch RUN --nproc {d.nproc}`")
+    if cuda_devices and local_world > cuda_devices:
+        out.append(f"{local_world} processes on this node but it has {cuda_devices} CUDA GPU(s); one process "
+                   f"per GPU: use --nproc {cuda_devices}")
+    return out
+
+
+def engine_reasons(run: RunSpec, *, cpu: bool) -> list[str]:
+    """The engines' own limits (installed, what runs on the CPU, offload combinations)."""
+    s = run.strategy
+    out = []
+    if s.zero_stage and importlib.util.find_spec("deepspeed") is None:
+        out.append(f"zero_stage={s.zero_stage} needs DeepSpeed: pip install deepspeed==0.19.8 "
+                   "(DS_BUILD_OPS=0), or use fsdp=full_shard / zero_stage=0")
+    if s.offload != "none":
+        if s.fsdp and s.offload == "optimizer":
+            out.append("offload=optimizer with FSDP: FSDP's CPU offload moves parameters, gradients and "
+                       "optimizer state together; use offload=optimizer+params, or zero_stage>=1 for "
+                       "optimizer-only offload")
+        if s.optimizer == "adamw8bit":
+            out.append("optimizer=adamw8bit with offload: 8-bit optimizers need their states on the GPU; "
+                       "use optimizer=adamw (32-bit AdamW) with offload")
+        if s.zero_stage and s.optimizer == "sgd":
+            out.append("optimizer=sgd with DeepSpeed offload: ZeRO-Offload steps with its CPU AdamW; use "
+                       "optimizer=adamw, or offload=none")
+    if cpu and s.method == "qlora" and (s.zero_stage == 3 or s.fsdp):
+        out.append(f"method=qlora with {s.engine} on the CPU: sharding bitsandbytes 4-bit weights needs CUDA "
+                   "GPUs; on the CPU use method=lora, or qlora with zero_stage<=2")
+    return out
+
+
+def rule_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
+    """The planner's rules for this machine. On the CPU device the engines' offload is allowed here
+    (it saves nothing but runs the same code as on GPUs, which is how CI tests it)."""
+    try:
+        from memfit.plan.rules import check
+    except ImportError:
+        return []
+    s = run.strategy
+    if hardware.gpu.is_cpu and s.offload != "none":
+        s = s.model_copy(update={"offload": "none"})
+    return list(check(model, hardware, s))
+
+
+def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
+    """Offload needs the node's CPU RAM for optimizer state (and parameters): the estimator's figure."""
+    if run.strategy.offload == "none" or hardware.gpu.is_cpu:
+        return []
+    try:
+        from memfit.estimate import estimate
+    except ImportError:
+        return []
+    need = float(estimate(model, hardware, run.strategy).cpu_total)
+    have = float(hardware.cpu_ram_bytes)
+    if need <= have:
+        return []
+    return [f"offload={run.strategy.offload}: the estimate needs {need / 1e9:.1f} GB of CPU RAM per node, "
+            f"this node has {have / 1e9:.1f} GB; add nodes/processes (more shards), use "
+            "offload=optimizer instead of optimizer+params, or set cpu_ram if the node has more"]
+
+
+def reasons(run: RunSpec) -> list[str]:
+    """Every reason this launch cannot run ``run``; [] when it can."""
+    world, local_world = launched_world()
+    cuda = _cuda_devices()
+    out = world_reasons(run, world, local_world, cuda)
+    out += engine_reasons(run, cpu=cuda == 0)
+    model, hardware = _specs(run)
+    if model is not None and hardware is not None:
+        out += rule_reasons(run, model, hardware)
+        out += ram_reasons(run, model, hardware)
+    return list(dict.fromkeys(out))
+
+
+def check(run: RunSpec) -> None:
+    """Raise ``IncompatibleError`` naming what to change, before anything heavy is loaded."""
+    found = reasons(run)
+    if found:
+        raise IncompatibleError(f"strategy {run.strategy.label()} cannot run here: " + "; ".join(found))
