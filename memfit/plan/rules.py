@@ -3,7 +3,8 @@
 ``check(model, hardware, strategy)`` returns one sentence per problem, each saying what is wrong and
 what to change. An empty list means the combination can run (whether it *fits* is the estimator's
 question). The planner uses it to prune its search and the training pre-flight calls it before loading
-anything, so keep the signature.
+anything, so keep the signature. The planner memoises verdicts by the fields in
+``memfit.plan.search.rule_key``: a new rule that reads another strategy field must add it there.
 """
 
 from __future__ import annotations

@@ -98,9 +98,10 @@ def short_reason(est: Any, hardware: Any) -> str:
 
 
 def rule_key(s: Strategy) -> tuple:
-    """The fields the rules read (everything but lengths, batch and checkpointing)."""
+    """The fields the rules read (everything but lengths, batch and checkpointing). Keep in step with
+    memfit.plan.rules: a rule that reads another field must add it here."""
     return (s.method, s.zero_stage, s.fsdp, s.offload, s.attention, s.optimizer, s.precision, s.quant_storage,
-            s.lora_targets, s.meft_neurons)
+            s.lora_targets, s.meft_neurons, s.meft_top_k)
 
 
 def _rank_key(est: Any) -> tuple:
