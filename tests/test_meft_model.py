@@ -60,21 +60,33 @@ def test_tiny_llama_trains_with_meft_and_loss_falls():
     assert state["cpu_optimizer_bytes"] > 0 and traffic(model)["h2d"] > 0
 
 
-def test_save_load_gives_identical_outputs_and_optimizer_state_round_trips(tmp_path):
+def test_save_load_gives_identical_outputs(tmp_path):
+    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+    ids = batch()
+    train(model, build_meft_optimizer(model, lr=1e-2), ids, 3)
+    save_meft(model, tmp_path / "meft")
+    meta = json.loads((tmp_path / "meft" / "meft_config.json").read_text())
+    assert meta["config"]["neurons"] == 256 and not list((tmp_path / "meft").glob("*.tmp"))
+    save_meft(model, tmp_path / "one" / "meft.safetensors")  # file form; config also in its metadata
+    (tmp_path / "one" / "meft.json").unlink()
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+        for path in (tmp_path / "meft", tmp_path / "one" / "meft.safetensors"):
+            other = load_meft(tiny_llama(), path)  # adds the adapters from the saved config
+            torch.testing.assert_close(other(input_ids=ids).logits, expect, rtol=0, atol=0)
+
+
+def test_optimizer_state_dict_resumes_tables_and_moments(tmp_path):
+    """What the Trainer does on resume: model weights (base + router) and optimizer state from disk."""
     model = add_meft(tiny_llama(), MeftConfig(**CFG))
     opt = build_meft_optimizer(model, lr=1e-2, weight_decay=0.01)
     ids = batch()
     train(model, opt, ids, 3)
-    save_meft(model, tmp_path / "meft")
-    meta = json.loads((tmp_path / "meft" / "meft_config.json").read_text())
-    assert meta["config"]["neurons"] == 256 and not list((tmp_path / "meft").glob("*.tmp"))
-    torch.save(opt.state_dict(), tmp_path / "opt.pt")
-
-    other = load_meft(tiny_llama(), tmp_path / "meft")  # adds the adapters from the saved config
-    with torch.no_grad():
-        torch.testing.assert_close(other(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    other = add_meft(tiny_llama(), MeftConfig(**CFG))  # fresh tables
+    other.load_state_dict(model.state_dict())
     opt2 = build_meft_optimizer(other, lr=1e-2, weight_decay=0.01)
-    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    opt2.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
     train(model, opt, ids, 2)
     train(other, opt2, ids, 2)
     for name, a in adapters(model).items():
@@ -82,6 +94,27 @@ def test_save_load_gives_identical_outputs_and_optimizer_state_round_trips(tmp_p
         torch.testing.assert_close(b.store.keys, a.store.keys, rtol=0, atol=0)
         torch.testing.assert_close(b.store.values, a.store.values, rtol=0, atol=0)
         torch.testing.assert_close(b.router.weight, a.router.weight, rtol=0, atol=0)
+    bad = opt.state_dict()
+    bad["meft_tables"] = {k: v[:3] for k, v in bad["meft_tables"].items()}
+    with pytest.raises(MemfitError, match="has another shape"):
+        opt2.load_state_dict(bad)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = batch()
+    grads = []
+    for checkpointing in (False, True):
+        model = add_meft(tiny_llama(), MeftConfig(**CFG))
+        for a in adapters(model).values():
+            a.store.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([a.store.grad_keys.clone() for a in adapters(model).values()])
+    for g0, g1 in zip(*grads):
+        assert g0.abs().sum() > 0
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
 
 
 def test_load_errors_are_one_clear_line(tmp_path):

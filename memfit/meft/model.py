@@ -156,13 +156,26 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def _paths(path: Union[str, os.PathLike]) -> tuple[Path, Path]:
+    """(weights, config) for a folder (meft_adapter.safetensors + meft_config.json inside) or for a
+    file ending in .safetensors (config beside it: same name, .json)."""
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        return p, p.with_suffix(".json")
+    return p / WEIGHTS_NAME, p / CONFIG_NAME
+
+
 def save_meft(model: nn.Module, path: Union[str, os.PathLike]) -> Path:
-    """Write the adapters to ``path/`` as safetensors plus a JSON config (atomically, file by file)."""
+    """Write the adapters as safetensors plus a JSON config, each atomically (temp name, then rename).
+
+    ``path`` is a folder, or a file name ending in ``.safetensors``. The config is also stored in the
+    safetensors metadata, so the weights file alone is enough for load_meft.
+    """
     from safetensors.torch import save_file
 
     ctx = get_context(model)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    weights, cfg_path = _paths(path)
+    weights.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, a in ctx.layers.items():
         if a.transfer is not None:
@@ -173,16 +186,28 @@ def save_meft(model: nn.Module, path: Union[str, os.PathLike]) -> Path:
             tensors[f"{name}.router"] = a.router.weight.detach().float().cpu().contiguous()
     meta = {"format": "memfit-meft", "version": FORMAT_VERSION, "config": ctx.config.to_dict(),
             "layers": list(ctx.layers), "hidden": {n: a.hidden for n, a in ctx.layers.items()}}
-    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _atomic_write(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(meta, indent=2)))
-    return out
+    text = json.dumps(meta, indent=2)
+    _atomic_write(weights, lambda p: save_file(tensors, str(p), metadata={"format": "pt", "memfit_meft": text}))
+    _atomic_write(cfg_path, lambda p: p.write_text(text))
+    return weights
 
 
 def read_meft_config(path: Union[str, os.PathLike]) -> MeftConfig:
-    cfg_path = Path(path) / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise MemfitError(f"{cfg_path}: not found; point load_meft at a folder written by save_meft")
-    meta = json.loads(cfg_path.read_text())
+    """The MeftConfig saved at ``path`` (folder or .safetensors file)."""
+    weights, cfg_path = _paths(path)
+    if cfg_path.is_file():
+        meta = json.loads(cfg_path.read_text())
+    elif weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            text = (fh.metadata() or {}).get("memfit_meft")
+        if text is None:
+            raise MemfitError(f"{weights}: no MEFT config in its metadata and no {cfg_path.name} beside it")
+        meta = json.loads(text)
+    else:
+        raise MemfitError(f"{cfg_path}: not found; point load_meft at a folder or .safetensors file "
+                          "written by save_meft")
     if meta.get("format") != "memfit-meft":
         raise MemfitError(f"{cfg_path}: not a memfit MEFT config (format={meta.get('format')!r})")
     return MeftConfig.from_dict(meta["config"])
@@ -196,7 +221,7 @@ def load_meft(model: nn.Module, path: Union[str, os.PathLike]) -> nn.Module:
     if getattr(model, "_meft", None) is None:
         add_meft(model, config)
     ctx = get_context(model)
-    weights = Path(path) / WEIGHTS_NAME
+    weights, _ = _paths(path)
     if not weights.is_file():
         raise MemfitError(f"{weights}: not found; the folder holds a config but no adapter weights")
     tensors = load_file(str(weights))

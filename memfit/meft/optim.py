@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, MemfitError
 from memfit.meft.model import get_context
 from memfit.meft.store import dense_adamw_, sparse_adamw_
 
@@ -113,7 +113,35 @@ class MeftOptimizer(torch.optim.Optimizer):
         for a in self._layers:
             a.store.zero_grad()
 
+    def state_dict(self) -> dict:
+        """Torch's optimizer state plus ``meft_tables``: the CPU key/value tables themselves.
+
+        The tables live outside the model's state_dict (so ``model.to(device)`` and the Trainer's
+        model checkpoint leave them alone); carrying them here makes the Trainer's
+        checkpoint/resume restore them with their moments. Tensors only: ``weights_only`` loads work.
+        """
+        self.flush()
+        sd = super().state_dict()
+        sd["meft_tables"] = {f"{name}.{part}": getattr(a.store, part)
+                             for name, a in self._ctx.layers.items() for part in ("keys", "values")}
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        tables = state_dict.pop("meft_tables", None)
+        if tables is not None:
+            for name, a in self._ctx.layers.items():
+                for part in ("keys", "values"):
+                    key, dest = f"{name}.{part}", getattr(a.store, part)
+                    src = tables.get(key)
+                    if src is None or tuple(src.shape) != tuple(dest.shape):
+                        raise MemfitError(
+                            f"MEFT optimizer state: table {key!r} is missing or has another shape; "
+                            "resume with the same model and meft settings as the checkpoint"
+                        )
+                    dest.copy_(src)
+                if a.transfer is not None:
+                    a.transfer.generation += 1  # device buffers no longer mirror the tables
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:

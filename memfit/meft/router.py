@@ -38,25 +38,34 @@ def key_experts_topk(
 ) -> Selection:
     """Score only the keys of each token's probed experts (experts: N x P expert ids) and keep top k.
 
-    Tokens are grouped by expert so each expert's keys meet all of its tokens in one matrix product.
+    (token, probe) pairs are grouped by expert so each expert's keys meet all of its tokens in one
+    matrix product; each expert's token rows are gathered into a small block just before it.
     """
     n, probes = experts.shape
     r = keys.shape[0]
     flat_exp = experts.reshape(-1).to(torch.long)
-    cand = torch.full((n * probes, expert_size), float("-inf"), dtype=torch.float32)
-    order = torch.argsort(flat_exp, stable=True)
+    order = torch.argsort(flat_exp, stable=True)  # (token, probe) pairs grouped by expert
     counts = torch.bincount(flat_exp, minlength=(r + expert_size - 1) // expert_size).tolist()
+    tokens = order // probes
+    sorted_scores = torch.full((n * probes, expert_size), float("-inf"), dtype=torch.float32)
+    # one small, cache-resident block of token rows per expert (gathered just before its product)
+    block = torch.empty(max(counts) if counts else 0, x.shape[1], dtype=x.dtype)
     scored = 0
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
-        pairs = order[start:start + count]
-        start += count
         lo, hi = e * expert_size, min((e + 1) * expert_size, r)
-        block = x.index_select(0, pairs // probes) @ keys[lo:hi].T
-        cand[pairs, : hi - lo] = block
+        rows = block[:count]
+        torch.index_select(x, 0, tokens[start:start + count], out=rows)
+        if hi - lo == expert_size:
+            torch.mm(rows, keys[lo:hi].T, out=sorted_scores[start:start + count])
+        else:
+            sorted_scores[start:start + count, : hi - lo] = rows @ keys[lo:hi].T
         scored += count * (hi - lo)
+        start += count
+    cand = torch.empty_like(sorted_scores)
+    cand[order] = sorted_scores
     cand = cand.view(n, probes * expert_size)
     kk = min(k, cand.shape[1])
     top_val, top_pos = cand.topk(kk, dim=1)
