@@ -157,3 +157,18 @@ def test_contradicting_engine_keys():
     with pytest.raises(ConfigError, match="--zero 1 is not among --zero-stages 2,3"):
         list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed={"zero_stage": 1},
                                   zero_stages=[2, 3]))
+
+
+def test_rules_read_only_the_memo_key_fields():
+    """The planner memoises rule verdicts by search.rule_key; varying any other field must not matter."""
+    from memfit.plan.search import rule_key
+
+    small = parse_hardware("1xA100-80GB", cpu_ram="8GB")
+    others = dict(seq_len=8192, micro_batch_size=4, grad_accum=16, lora_r=256, lora_alpha=7, lora_dropout=0.3,
+                  double_quant=False, meft_experts=3, meft_n_probe=2)
+    for hw in (V100, CPU, small):
+        for s in enumerate_strategies(LLAMA, hw, seq_len=512, micro_batch_size=1):
+            for gc in (False, True):
+                t = s.model_copy(update={**others, "gradient_checkpointing": gc})
+                assert rule_key(t) == rule_key(s)
+                assert rules.check(LLAMA, hw, t) == rules.check(LLAMA, hw, s)
