@@ -84,8 +84,13 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: float = 1800,
                          categories: bool = True, threads: Optional[int] = None,
-                         keep_dir: Optional[Path] = None) -> dict[str, Any]:
-    """Train ``run`` (a RunSpec) for warmup+steps steps in a fresh process; the merged ``measured``."""
+                         keep_dir: Optional[Path] = None, fork_server: bool = True) -> dict[str, Any]:
+    """Train ``run`` (a RunSpec) for warmup+steps steps in a fresh process; the merged ``measured``.
+
+    Single-process runs are forked from a fork server that imported torch/transformers once and has run
+    no configuration (a new process each time, without the import cost); ``fork_server=False`` starts a
+    new interpreter instead. Multi-process runs start under torchrun.
+    """
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got steps={steps}, warmup={warmup})")
     work = Path(tempfile.mkdtemp(prefix="memfit-measure-"))
@@ -103,23 +108,77 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
             cmd = [sys.executable, "-m", "memfit.measure.worker", str(spec_path)]
         from memfit.measure.probe import env_for_measurement
 
-        proc = subprocess.run(cmd, env=env_for_measurement(), capture_output=True, text=True,
-                              timeout=timeout)
+        log = work / "worker.log"
+        if nproc == 1 and fork_server:
+            returncode = _run_forked(spec_path, log, timeout)
+        else:
+            with open(log, "w") as fh:
+                returncode = subprocess.run(cmd, env=env_for_measurement(), stdout=fh, stderr=subprocess.STDOUT,
+                                            timeout=timeout).returncode
         ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
-        if proc.returncode != 0 and not ranks:
-            tail = " | ".join(line for line in proc.stderr.strip().splitlines()[-3:])
-            raise MemfitError(f"measured run {run.strategy.label()} failed (exit {proc.returncode}): {tail}")
+        if returncode != 0 and not ranks:
+            lines = [ln for ln in log.read_text(errors="replace").strip().splitlines() if ln.strip()]
+            tail = " | ".join(lines[-3:])
+            raise MemfitError(f"measured run {run.strategy.label()} failed (exit {returncode}): {tail}")
         measured = merge_ranks(ranks)
-        if proc.returncode != 0:  # e.g. DeepSpeed's flaky shutdown after training finished
-            measured["exit_code"] = proc.returncode
+        if returncode != 0:  # e.g. DeepSpeed's flaky shutdown after training finished
+            measured["exit_code"] = returncode
         return measured
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, TimeoutError):
         raise MemfitError(f"measured run {run.strategy.label()} took over {timeout:.0f} s; "
                           "use fewer --steps or a shorter seq_len") from None
     finally:
         if keep_dir is not None:
             shutil.copytree(work, keep_dir, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _ForkServer:
+    """Client of memfit.measure.forkserver (one per parent process, started on first use)."""
+
+    def __init__(self) -> None:
+        from memfit.measure.probe import env_for_measurement
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "memfit.measure.forkserver"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env_for_measurement())
+        if self._line(600) != "ready":
+            raise MemfitError("the measurement fork server did not start")
+
+    def _line(self, timeout: float) -> str:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        return self.proc.stdout.readline().strip()
+
+    def run(self, spec: Path, log: Path, timeout: float) -> int:
+        self.proc.stdin.write(f"{spec}\t{log}\n")
+        self.proc.stdin.flush()
+        pid = int(self._line(60).split()[1])
+        try:
+            answer = self._line(timeout)
+        except TimeoutError:
+            os.kill(pid, 9)
+            self._line(60)
+            raise
+        if not answer.startswith("exit "):
+            raise MemfitError(f"the measurement fork server answered {answer!r}")
+        return int(answer.split()[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+_SERVER: Optional[_ForkServer] = None
+
+
+def _run_forked(spec_path: Path, log: Path, timeout: float) -> int:
+    global _SERVER
+    if _SERVER is None or not _SERVER.alive():
+        _SERVER = _ForkServer()
+    return _SERVER.run(spec_path, log, timeout)
 
 
 def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
