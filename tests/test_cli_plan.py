@@ -222,3 +222,16 @@ def test_plan_a_model_folder_of_another_family(capsys, tmp_path):
     assert rec["strategy"]["attention"] != "fa2"  # T4: no FlashAttention-2
     # one GPU: sharding saves nothing, so the plan is plain (DDP) unless it offloads
     assert rec["strategy"]["zero_stage"] == 0 and rec["strategy"]["fsdp"] is False
+
+
+def test_plan_run_length_and_cost(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "llama-2-7b", "--gpus", "2xRTX4090-24GB", "--seq-len", "1024",
+                       "--grad-accum", "4", "--tokens", "5000000", "--gpu-hour-price", "0.69", "--json")
+    assert code == 0
+    d = json.loads(out)
+    r, step = d["run"], d["recommended"]["time"]["step_seconds"]
+    assert r["tokens_per_step"] == 2 * 1 * 4 * 1024 and r["steps"] == -(-5_000_000 // 8192)
+    assert r["hours"] == pytest.approx(r["steps"] * step / 3600) and r["cost"] == pytest.approx(r["hours"] * 2 * 0.69)
+    code, _, err = run(capsys, "plan", "--model", "llama-2-7b", "--gpus", "2xRTX4090-24GB", "--tokens", "10",
+                       "--steps", "3")
+    assert code == 2 and "give one" in err

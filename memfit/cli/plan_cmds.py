@@ -158,7 +158,7 @@ def plan_cmd(
     max_gpus: int = typer.Option(8, "--max-gpus", help="Largest GPU count tried with --gpu.", rich_help_panel=P),
     gpu_hour_price: Optional[float] = typer.Option(None, "--gpu-hour-price", help="Price per GPU-hour.",
                                                    rich_help_panel=P),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens to train on (for total time).",
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Tokens to train on (total time and cost).",
                                          rich_help_panel=P),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (for total time).",
                                         rich_help_panel=P),
@@ -194,8 +194,14 @@ def plan_cmd(
         else:
             plan_view.show_gpu_count(result, written)
         return
+    from memfit.plan.gpu_count import check_run_args, run_length
+
+    check_run_args(tokens, steps, gpu_hour_price)
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
     result = plan(spec, hw, profile=prof, **kwargs)
+    length = None
+    if result.recommended is not None and (tokens or steps):
+        length = run_length(result.recommended, hw.world_size, tokens=tokens, steps=steps, price=gpu_hour_price)
     if not result.candidates and all(r.kind == "rule" for r in result.rejected):
         raise IncompatibleError("no combination can run here: " + result.rejected[0].reasons[0])
     written = []
@@ -208,9 +214,11 @@ def plan_cmd(
         out = result.to_dict()
         if written:
             out["emitted"] = [str(p) for p in written]
+        if length:
+            out["run"] = length
         plan_view.print_json(out)
     else:
-        plan_view.show_plan(result, top=top, emitted=written)
+        plan_view.show_plan(result, top=top, emitted=written, run=length)
 
 
 def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Optional[str]) -> list[Path]:

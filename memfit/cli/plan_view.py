@@ -125,7 +125,7 @@ def candidates_table(candidates: list, top: int, hardware: Any) -> Table:
     return t
 
 
-def show_plan(p: Any, *, top: int = 8, emitted: list = ()) -> None:
+def show_plan(p: Any, *, top: int = 8, emitted: list = (), run: Optional[dict] = None) -> None:
     rec = p.recommended
     if rec is not None:
         d = rec.to_dict()
@@ -139,6 +139,10 @@ def show_plan(p: Any, *, top: int = 8, emitted: list = ()) -> None:
     if rec is not None:
         console.print(memory_table(rec.to_dict()))
         console.print(candidates_table(p.candidates, top, p.hardware))
+    if run:
+        cost = f", {run['cost']:.2f} at the given GPU-hour price" if run.get("cost") is not None else ""
+        console.print(f"[bold]Run:[/bold] {run['steps']:,} steps of {run['tokens_per_step']:,} tokens = "
+                      f"{run['hours']:.2f} hours{cost}")
     n_rule = sum(1 for r in p.rejected if r.kind == "rule")
     console.print(f"[dim]{len(p.rejected)} combinations rejected: {n_rule} cannot run here, "
                   f"{len(p.rejected) - n_rule} exceed memory (--json lists each with its reason).[/dim]")

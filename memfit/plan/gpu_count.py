@@ -15,6 +15,29 @@ from memfit.errors import ConfigError
 from memfit.plan.search import Plan, plan
 
 
+def run_length(est: Any, gpus: int, *, tokens: Optional[int] = None, steps: Optional[int] = None,
+               price: Optional[float] = None) -> dict[str, Optional[float]]:
+    """Steps, hours and cost of a run of ``tokens`` (or ``steps`` optimizer steps) with ``est``'s plan on
+    ``gpus`` GPUs; a step processes gpus x micro-batch x accumulation x seq_len tokens."""
+    s = est.strategy
+    per_step = gpus * s.micro_batch_size * s.grad_accum * s.seq_len
+    n = math.ceil(tokens / per_step) if tokens is not None else steps
+    hours = n * est.step_seconds / 3600.0 if n is not None else None
+    cost = hours * gpus * price if hours is not None and price is not None else None
+    return {"steps": n, "hours": hours, "cost": cost, "tokens_per_step": per_step}
+
+
+def check_run_args(tokens: Optional[int], steps: Optional[int], price: Optional[float]) -> None:
+    """One-line errors for the run-length flags."""
+    if tokens is not None and steps is not None:
+        raise ConfigError("--tokens and --steps both given: give one (tokens to train on, or optimizer steps)")
+    for name, value in (("--tokens", tokens), ("--steps", steps)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} {value}: must be a positive integer")
+    if price is not None and price < 0:
+        raise ConfigError(f"--gpu-hour-price {price}: must be >= 0 (a price per GPU-hour, e.g. 0.33)")
+
+
 @dataclass
 class CountRow:
     gpus: int
@@ -86,13 +109,7 @@ def gpu_count_search(
 
     if max_gpus < 1:
         raise ConfigError(f"--max-gpus {max_gpus}: must be at least 1")
-    if tokens is not None and steps is not None:
-        raise ConfigError("--tokens and --steps both given: give one (tokens to train on, or optimizer steps)")
-    for name, value in (("--tokens", tokens), ("--steps", steps)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{name} {value}: must be a positive integer")
-    if price is not None and price < 0:
-        raise ConfigError(f"--gpu-hour-price {price}: must be >= 0 (a price per GPU-hour, e.g. 0.33)")
+    check_run_args(tokens, steps, price)
     if "x" in gpu.lower().split("-")[0] and gpu.lower().split("x")[0].isdigit():
         raise ConfigError(f"--gpu {gpu}: give one GPU kind without a count (e.g. RTX3090-24GB); "
                           "--max-gpus sets the counts to try")
@@ -102,13 +119,7 @@ def gpu_count_search(
         row = CountRow(gpus=n, plan=plan(model, hardware, **plan_kwargs))
         rec = row.recommended
         if rec is not None:
-            if tokens is not None:
-                row.steps = math.ceil(tokens / row.tokens_per_step)
-            elif steps is not None:
-                row.steps = steps
-            if row.steps is not None:
-                row.hours = row.steps * rec.step_seconds / 3600.0
-                if price is not None:
-                    row.cost = row.hours * n * price
+            length = run_length(rec, n, tokens=tokens, steps=steps, price=price)
+            row.steps, row.hours, row.cost = length["steps"], length["hours"], length["cost"]
         result.rows.append(row)
     return result
