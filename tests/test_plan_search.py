@@ -132,3 +132,13 @@ def test_gpu_count_search_bad_input():
         gpu_count_search(LLAMA7, "2xRTX3090-24GB", max_gpus=2, seq_len=512, micro_batch_size=1)
     with pytest.raises(ConfigError, match="--max-gpus 0"):
         gpu_count_search(LLAMA7, "RTX3090-24GB", max_gpus=0, seq_len=512, micro_batch_size=1)
+
+
+def test_plan_on_the_cpu_device():
+    cpu = parse_hardware("CPU", cpu_ram="64GB")
+    p = plan(LLAMA7, cpu, seq_len=256, micro_batch_size=1)
+    assert p.recommended is not None
+    assert {c.strategy.precision for c in p.candidates} == {"fp32"}
+    assert all(c.strategy.offload == "none" and c.strategy.attention != "fa2" for c in p.candidates)
+    assert all(c.strategy.engine == "ddp" for c in p.candidates)  # one process: nothing to shard over
+    assert "of RAM" in p.why[0]
