@@ -8,65 +8,34 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# Linear layer names by architecture family, used to check LoRA targets and to pick "all linear".
-_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FUSED_QKV_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
-_LINEARS_BY_TYPE = {
-    "llama": _LLAMA_LINEARS,
-    "mistral": _LLAMA_LINEARS,
-    "qwen2": _LLAMA_LINEARS,
-    "qwen3": _LLAMA_LINEARS,
-    "gemma": _LLAMA_LINEARS,
-    "gemma2": _LLAMA_LINEARS,
-    "falcon": _FUSED_QKV_LINEARS,
-    "gpt_neox": _FUSED_QKV_LINEARS,
-}
-
-
-def _first(obj: Any, names: tuple[str, ...], default: Any = None) -> Any:
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-# ---- model -------------------------------------------------------------------------------------
+# ---- model (memfit.spec.model.ModelSpec) ----------------------------------------------------------
 
 def model_name(model: Any) -> str:
-    return str(_first(model, ("name",), "model"))
-
-
-def model_type(model: Any) -> str:
-    return str(_first(model, ("family", "model_type"), "")).lower()
+    return str(getattr(model, "name", "model"))
 
 
 def linear_names(model: Any) -> tuple[str, ...]:
-    """Names of the model's adaptable linear layers (what LoRA's target_modules can match)."""
+    """Names of one decoder layer's linear modules (what LoRA's target_modules can match)."""
     names = getattr(model, "linear_names", None)
-    if callable(names):
-        return tuple(names())
-    if names:
-        return tuple(names)
-    return _LINEARS_BY_TYPE.get(model_type(model), ())
+    return tuple(names()) if callable(names) else tuple(names or ())
 
 
 def hidden_size(model: Any) -> int:
-    return int(_first(model, ("hidden", "hidden_size"), 0))
+    return int(getattr(model, "hidden", 0))
 
 
 def num_layers(model: Any) -> int:
-    return int(_first(model, ("layers", "num_layers", "num_hidden_layers"), 0))
+    return int(getattr(model, "layers", 0))
 
 
-# ---- hardware ----------------------------------------------------------------------------------
+# ---- hardware (memfit.spec.hardware.HardwareSpec) -----------------------------------------------
 
 def gpu(hardware: Any) -> Any:
     return getattr(hardware, "gpu", hardware)
 
 
 def gpu_name(hardware: Any) -> str:
-    return str(_first(gpu(hardware), ("name",), "GPU"))
+    return str(getattr(gpu(hardware), "name", "GPU"))
 
 
 def is_cpu(hardware: Any) -> bool:
@@ -85,23 +54,23 @@ def supports_fa2(hardware: Any) -> bool:
 
 
 def gpu_memory_bytes(hardware: Any) -> float:
-    return float(_first(gpu(hardware), ("memory_bytes", "mem_bytes"), 0))
+    return float(getattr(gpu(hardware), "memory_bytes", 0))
 
 
 def world_size(hardware: Any) -> int:
-    return int(_first(hardware, ("world_size",), 1))
+    return int(getattr(hardware, "world_size", 1))
 
 
 def nodes(hardware: Any) -> int:
-    return int(_first(hardware, ("nodes",), 1))
+    return int(getattr(hardware, "nodes", 1))
 
 
 def gpus_per_node(hardware: Any) -> int:
-    return int(_first(hardware, ("gpus_per_node",), 1))
+    return int(getattr(hardware, "gpus_per_node", 1))
 
 
 def cpu_ram_bytes(hardware: Any) -> Optional[float]:
-    value = _first(hardware, ("cpu_ram_bytes",))
+    value = getattr(hardware, "cpu_ram_bytes", None)
     return float(value) if value else None
 
 
