@@ -9,6 +9,8 @@ sets (the Trainer calls ``model.zero_grad()``, which does not see them) and the 
 and it closes the traffic window.
 Gradient accumulation: every backward adds into the CPU gradients, so the accumulation boundary is
 wherever the caller calls ``step()``. Gradient clipping by the Trainer covers the router only.
+Under DDP every rank holds the whole CPU store; ``step()`` averages the CPU gradients of the rows any
+rank touched (an all-reduce of those rows only) before updating, so the ranks' tables stay identical.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class MeftOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.flush()
+        self._average_across_ranks()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -105,6 +108,32 @@ class MeftOptimizer(torch.optim.Optimizer):
                 a.router.weight.grad = None
         self._ctx.traffic.close_step()
         return loss
+
+    def _average_across_ranks(self) -> None:
+        """Under torch.distributed (DDP), average the CPU gradients over ranks like DDP does for the
+        device parameters: the union of every rank's touched rows is all-reduced, compactly.
+        Each rank keeps a full copy of the tables; they stay equal because the updates are equal."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        device = torch.device("cpu")
+        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+            device = torch.device("cuda", torch.cuda.current_device())
+        for a in self._layers:
+            touched = a.store.touched.to(device=device, dtype=torch.int32)
+            dist.all_reduce(touched)
+            rows = touched.cpu().nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            both = torch.cat([a.store.grad_keys.index_select(0, rows),
+                              a.store.grad_values.index_select(0, rows)]).to(device)
+            dist.all_reduce(both)
+            both = both.cpu().div_(world)
+            a.store.grad_keys.index_copy_(0, rows, both[: rows.numel()])
+            a.store.grad_values.index_copy_(0, rows, both[rows.numel():])
+            a.store.touched[rows] = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the router's gradients and the CPU gradients / touched rows (discarding in-flight ones)."""
