@@ -20,6 +20,8 @@ from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
 
 GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers")
 GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
+# peak_concurrency: the (usually negative) adjustment from the sum of the component peaks to the step's
+# peak, because gradients, activations, logits and optimizer temporaries are not all live at once.
 GPU_OVERHEAD_LINES = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
 _ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                 "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
@@ -74,7 +76,8 @@ class Estimate:
                 "gpu_bytes": {k: int(round(v)) for k, v in self.gpu.items()},
                 "gpu_overhead_bytes": {k: int(round(v)) for k, v in self.gpu_overhead.items()},
                 "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
-                                   **{k: "engine" for k in GPU_ENGINE_LINES}, "overhead": "overhead"},
+                                   **{k: "engine" for k in GPU_ENGINE_LINES}, "peak_concurrency": "formula",
+                                   "overhead": "overhead"},
                 "gpu_allocated_bytes": int(round(self.gpu["total"] - self.gpu["overhead"])),
                 "usable_gpu_bytes": int(self.usable_gpu_bytes),
                 "margin": self.margin,
@@ -129,6 +132,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     engine = _ENGINE_KIND[st.engine]
     family = "fsdp" if st.fsdp else ("deepspeed" if st.zero_stage else "ddp")
     w_b, g_b, o_b, copy_b = M.state_bytes(prec, st.optimizer, family)
+    # PEFT keeps LoRA adapters in fp32 unless DeepSpeed casts the whole module to 16-bit
+    adapter_fp32 = method in ("lora", "qlora") and family != "deepspeed" and prec != "fp32"
+    if adapter_fp32:
+        w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", st.optimizer)[2]
     half = 4.0 if prec == "fp32" else 2.0  # bytes of a value in the compute dtype
     e = 4.0 if prec == "fp32" else 2.0
     nums = M.numbers(model)
@@ -190,12 +197,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- activations, logits, adapters -------------------------------------------------------------
     gc = st.gradient_checkpointing
     attention = st.attention
-    acts = M.activation_bytes(model, s, b, e, attention, gc, p)
+    act_in, act_layers, act_tail = M.activation_parts(model, s, b, e, attention, gc, p)
+    acts = act_in + act_layers + act_tail
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
-                                             cast_copy=copy_b > 0)
+                                             cast_copy=(0.0 if not adapter_fp32 else 4.0 if prec == "bf16" else e))
     meft_buf = 0.0
     rows = 0.0
     if method == "meft":
@@ -226,14 +234,36 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     elif n > 1:
         comm = p_t * g_b * p.ddp_bucket_copy
 
-    formula = weights + grads + optim + acts + logits + lora_int + meft_buf + gathered + comm
+    # ---- what is live at the same time: the step's peak -----------------------------------------
+    # Each line above is that component's own peak. DeepSpeed keeps gradient partitions/buckets alive;
+    # DDP and FSDP (set_to_none) free .grad every step, so gradients build up only while backward frees
+    # activations. Phases: A = start of backward (all saved activations + logits); with checkpointing
+    # B1 = last layer recomputing (inputs + its working set + logits' grads); B2 = backward at the first
+    # layer (its working set + nearly all gradients); C = the optimizer step (grads + temporaries).
+    static = weights + optim + meft_buf + gathered + comm
+    g_keep = grads if family == "deepspeed" else 0.0
+    g_free = grads - g_keep
+    phase_a = g_keep + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
+    phase = phase_a
+    if gc:
+        working = act_layers + lora_int
+        phase = max(phase, g_keep + act_tail + working + act_in + p.logits_live_during_recompute * logits,
+                    g_keep + working + g_free)
+    else:  # backward reaching the first layer: its saved activations + nearly all gradients
+        phase = max(phase, g_keep + (act_layers + lora_int) / model.layers + g_free)
+    local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
+    phase = max(phase, grads + local_opt * p.optimizer_step_temp_bytes)
+    lines_sum = static + grads + acts + logits + lora_int
+    concurrency = static + phase - lines_sum
+    formula = static + phase
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
     nccl = p.nccl_buffer_bytes if (n > 1 and not gpu.is_cpu) else 0.0
     frag = formula * (p.fragmentation_cpu if gpu.is_cpu else p.fragmentation)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
-                 "gathered_params": gathered, "comm_buffers": comm, "overhead": overhead,
+                 "gathered_params": gathered, "comm_buffers": comm, "peak_concurrency": concurrency,
+                 "overhead": overhead,
                  "total": formula + overhead}
 
     # ---- CPU RAM per node ------------------------------------------------------------------------

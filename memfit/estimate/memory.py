@@ -124,10 +124,14 @@ def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) ->
     return base + (5.0 * model.heads * s * s * b if attention == "eager" else 0.0)
 
 
-def activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
-                     profile: Profile) -> float:
-    """All layers' saved activations (+ final norm / head input); with checkpointing the layer inputs
-    plus ``checkpoint_extra_layers`` layers' full working set during recomputation."""
+def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
+                     profile: Profile) -> tuple[float, float, float]:
+    """(checkpointed layer inputs, layers' saved working sets, tail) in bytes.
+
+    Without checkpointing every layer's working set is saved. With it, each layer keeps its input
+    (e·s·b·h) and ``checkpoint_extra_layers`` layers' working set is live during recomputation. The tail
+    is the final norm and the head's input."""
+    scale = profile.activation_scale
     if profile.activation_korthikanti:
         layer = korthikanti_layer_bytes(model, s, b, attention)
         tail = 0.0
@@ -135,26 +139,32 @@ def activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str,
         layer = layer_activation_bytes(model, s, b, e, attention)
         tail = b * s * (norm_bytes_per_token(model, e) + e * model.hidden)
     if checkpointing:
-        total = model.layers * e * b * s * model.hidden + profile.checkpoint_extra_layers * layer + tail
-    else:
-        total = model.layers * layer + tail
-    return total * profile.activation_scale
+        return (model.layers * e * b * s * model.hidden * scale, profile.checkpoint_extra_layers * layer * scale,
+                tail * scale)
+    return 0.0, model.layers * layer * scale, tail * scale
+
+
+def activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
+                     profile: Profile) -> float:
+    """All saved activations: the sum of :func:`activation_parts`."""
+    inputs, layers, tail = activation_parts(model, s, b, e, attention, checkpointing, profile)
+    return inputs + layers + tail
 
 
 def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile) -> float:
-    """b·s·V values at the loss peak (half logits, fp32 upcast log-softmax and its gradient)."""
+    """b·s·V values at the loss peak: the logits, the fp32 log-softmax and two fp32 gradients."""
     per = profile.logits_bytes_fp32 if precision == "fp32" else profile.logits_bytes_16bit
     return float(b) * s * model.vocab * per
 
 
 def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,
-                            checkpointing: bool, profile: Profile, cast_copy: bool = False) -> float:
+                            checkpointing: bool, profile: Profile, cast_copy: float = 0.0) -> float:
     """Per adapted linear: the rank-r intermediate (e·s·b·r) and the input lora_A saves: with
-    lora_dropout > 0 the dropped copy and its mask ((e + 1)·s·b·in); without dropout a cast copy (e·in)
-    when the adapter's dtype differs from the compute dtype (PEFT keeps fp32 adapters under autocast),
-    else nothing (the base linear's input is shared). With checkpointing only the recomputed layer(s)."""
+    lora_dropout > 0 the dropped copy and its mask ((e + 1)·s·b·in); without dropout a cast copy
+    (``cast_copy`` bytes per input value) when PEFT's fp32 adapter sees 16-bit inputs, else nothing (the
+    base linear's input is shared). With checkpointing only the recomputed layer(s)."""
     count, sum_in = numbers(model).lora_sums(targets)
-    copy = (e + 1.0) if dropout > 0 else (e if cast_copy else 0.0)
+    copy = (e + 1.0) if dropout > 0 else cast_copy
     per_layer = (count * e * r + copy * sum_in) * b * s
     layers = profile.checkpoint_extra_layers if checkpointing else model.layers
     return per_layer * layers
