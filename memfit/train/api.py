@@ -79,6 +79,8 @@ def preflight(run) -> list[str]:
         from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
     except ImportError:
         reasons = None
+    if run.strategy.attention == "fa2":  # training falls back to sdpa with a note where FA2 cannot run
+        run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
     try:
         if reasons is not None:
             return reasons(run)
@@ -117,7 +119,7 @@ def save_outputs(run, model, tokenizer, out: Path) -> Optional[Path]:
 
         dst = out / "meft"
         with atomic_dir(dst) as tmp:
-            meft_api().save_meft(model, str(tmp / "meft.safetensors"))
+            meft_api().save_meft(model, str(tmp))  # meft_adapter.safetensors + meft_config.json
         return dst
     return None
 
@@ -157,15 +159,15 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
     stats = StepStats()
     cbs: list = [stats]
     metrics_path = out / METRICS_FILE
-    if main:
-        if not resume and metrics_path.exists():
-            metrics_path.unlink()
-        cbs.append(MetricsWriter(metrics_path))
     if run.strategy.method == "meft":
         meft = meft_api()
         optimizer = meft.build_meft_optimizer(model, lr=run.training.learning_rate,
                                               weight_decay=run.training.weight_decay)
-        cbs.append(MeftTraffic(model, meft.traffic))
+        cbs.append(MeftTraffic(model, meft.traffic))  # before the writer: it adds to each log line
+    if main:
+        if not resume and metrics_path.exists():
+            metrics_path.unlink()
+        cbs.append(MetricsWriter(metrics_path))
     cbs.extend(callbacks)
     trainer = build_trainer(run, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
     if main:

@@ -231,6 +231,10 @@ def build_model(run, local_rank: int = 0):
     # ZeRO-3 loads parameters already partitioned: ds_numel is the full size
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    if s.method == "meft" and hasattr(meft_api(), "meft_state"):
+        # MEFT's keys/values live in a CPU store, not in nn.Parameters
+        trainable = int(meft_api().meft_state(model).get("trainable_parameters", trainable))
+        params += trainable
     device = f"cuda:{local_rank}" if _on_cuda() else "cpu"
     info = ModelInfo(path=str(path), method=s.method, dtype=str(load_dtype).replace("torch.", ""),
                      attention=attention, device=device, params=params, trainable=trainable,
