@@ -111,3 +111,11 @@ def test_load_records_errors(tmp_path):
         load_records(tmp_path)
     (tmp_path / "ok.json").write_text(json.dumps({"run": {}, "measured": {"peak_allocated_bytes": 1}}))
     assert len(load_records(tmp_path)) == 1
+
+
+def test_underdetermined_fit_stays_near_defaults_and_positive():
+    truth = ToyProfile(activation_scale=1.5, overhead_bytes=1e5)
+    recs = synthetic_records(truth, n=1)  # one run, two memory constants
+    fitted, rep = fit(recs, ToyProfile(activation_scale=1.0, overhead_bytes=5e4), toy_estimate, target="memory")
+    assert rep["rms_error_pct_after"] < 0.5
+    assert fitted.activation_scale > 0 and fitted.overhead_bytes > 0

@@ -112,8 +112,13 @@ def _rms_pct(res: list[float]) -> float:
 
 def fit(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *, target: str = "memory",
         fields: Optional[Sequence[str]] = None, iterations: int = 20, damping: float = 1e-9,
-        rel_step: float = 1e-4) -> tuple[Any, dict[str, Any]]:
-    """Fit ``fields`` of ``profile`` so predictions match measurements; (new profile, report)."""
+        rel_step: float = 1e-4, prior: float = 1e-3) -> tuple[Any, dict[str, Any]]:
+    """Fit ``fields`` of ``profile`` so predictions match measurements; (new profile, report).
+
+    ``prior`` adds, per constant, a pseudo-residual ``prior · (x − x₀) / x₀`` that pulls it towards
+    its starting value: negligible where the measurements determine a constant, decisive where they
+    do not (fewer runs than constants, collinear terms). A positive constant never turns negative.
+    """
     recs = [r for r, m in zip(records, _measured(records, target)) if m]
     if not recs:
         raise MemfitError(f"calibrate: no measurement carries the {target} figure "
@@ -142,27 +147,39 @@ def fit(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *, targe
     cols = jacobian(cur, res)
     active = [f for f in x if any(abs(v) > 1e-15 for v in cols[f])]
     dropped = [f for f in x if f not in active]
+    x0 = dict(x)
+    # a constant's natural size: its value, or (for a zero default) the change that moves predictions 100 %
+    scale = {f: abs(x0[f]) or 1.0 / max(max(abs(v) for v in cols[f]), 1e-300) for f in active}
+
+    def penalty(vals: dict[str, float]) -> float:
+        return sum((prior * (vals[f] - x0[f]) / scale[f]) ** 2 for f in active)
+
+    def cost(r: list[float], vals: dict[str, float]) -> float:
+        return sum(v * v for v in r) + penalty(vals)
     accepted = 0
     for _ in range(10 * iterations if active else 0):
         if accepted >= iterations:
             break
         jtj = [[sum(a * b for a, b in zip(cols[i], cols[j])) for j in active] for i in active]
-        for k in range(len(active)):
+        for k, f in enumerate(active):
+            jtj[k][k] += (prior / scale[f]) ** 2
             jtj[k][k] += damping * (jtj[k][k] or 1.0)
-        jtr = [-sum(a * r for a, r in zip(cols[i], res)) for i in active]
+        jtr = [-sum(a * r for a, r in zip(cols[f], res)) - prior ** 2 * (x[f] - x0[f]) / scale[f] ** 2
+               for f in active]
         try:
             step = _solve(jtj, jtr)
         except ZeroDivisionError:
             break
         trial_x = {**x, **{f: x[f] + d for f, d in zip(active, step)}}
+        flipped = any(x0[f] > 0 >= trial_x[f] for f in active)
         trial = with_values(profile, trial_x)
-        trial_res = _residuals(_predicted(recs, trial, estimate_fn, target), meas)
-        if sum(r * r for r in trial_res) > sum(r * r for r in res) * (1 + 1e-12):
-            damping *= 10
+        trial_res = None if flipped else _residuals(_predicted(recs, trial, estimate_fn, target), meas)
+        if flipped or cost(trial_res, trial_x) > cost(res, x) * (1 + 1e-12):
+            damping = max(damping, 1e-9) * 10
             if damping > 1e8:
                 break
             continue
-        improvement = sum(r * r for r in res) - sum(r * r for r in trial_res)
+        improvement = cost(res, x) - cost(trial_res, trial_x)
         x, cur, res = trial_x, trial, trial_res
         accepted += 1
         damping = max(damping / 10, 1e-12)
