@@ -204,8 +204,10 @@ def attach(ffn: nn.Module, adapter: MeftAdapter) -> None:
     def _pre(module: nn.Module, args: tuple) -> None:
         adapter._pending_state = adapter.begin(args[0])
 
-    def _post(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def _post(module: nn.Module, args: tuple, output: Any) -> Any:
         state, adapter._pending_state = adapter._pending_state, None
+        if isinstance(output, tuple):  # e.g. MoE blocks that return (hidden, router_logits)
+            return (output[0] + adapter.finish(state),) + output[1:]
         return output + adapter.finish(state)
 
     adapter._hooks = (ffn.register_forward_pre_hook(_pre), ffn.register_forward_hook(_post))
