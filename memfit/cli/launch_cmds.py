@@ -1,9 +1,79 @@
-"""CLI commands for multi-process / multi-node launch (registered by memfit.cli.app)."""
+"""``memfit launch``: one command per node starts that node's training processes (torchrun)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
 
+def launch_command(
+    run_file: Path = typer.Argument(..., help="Run file (YAML)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes (GPUs) on this node [run file's distributed.nproc]."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes in the job [distributed.nodes]."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0..nodes-1 [distributed.node_rank]."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address [distributed.master_addr]."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Free TCP port on node 0 [distributed.master_port]."),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="KEY=VALUE override (repeatable)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and the engine config; start nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: print JSON."),
+) -> None:
+    """Train RUN on this node's processes; run the same command on every node with its --node-rank."""
+    from memfit.distributed.config import world_size
+    from memfit.distributed.launch import launch, launch_command as build, layout_overrides
+    from memfit.spec.run import load_run
+
+    overrides = list(overrides or [])
+    d = load_run(run_file, overrides).distributed
+    layout = dict(nproc=d.nproc if nproc is None else nproc, nodes=d.nodes if nodes is None else nodes,
+                  node_rank=d.node_rank if node_rank is None else node_rank,
+                  master_addr=d.master_addr if master_addr is None else master_addr,
+                  master_port=d.master_port if master_port is None else master_port)
+    cmd = build(run_file, overrides=overrides, resume=resume, **layout)
+    run = load_run(run_file, [*overrides, *layout_overrides(**layout)])
+    if dry_run:
+        _show_plan(run, cmd, as_json)
+        return
+    from memfit.cli.output import err_console
+
+    err_console.print(f"[bold]memfit launch[/bold] {run.strategy.label()}: node {layout['node_rank']} of "
+                      f"{layout['nodes']}, {layout['nproc']} process(es) here, world size {world_size(run)}, "
+                      f"rendezvous {layout['master_addr']}:{layout['master_port']}")
+    raise typer.Exit(launch(run_file, overrides=overrides, resume=resume, **layout))
+
+
+def _show_plan(run, cmd: list[str], as_json: bool) -> None:
+    import shlex
+
+    from memfit.distributed.config import accelerate_config, deepspeed_config, world_size
+    from memfit.distributed.engine import hidden_size_of
+
+    ds = deepspeed_config(run, hidden_size=hidden_size_of(run)) if run.strategy.zero_stage else None
+    if as_json:
+        from memfit.cli.output import print_json
+
+        print_json({"command": cmd, "world_size": world_size(run), "engine": run.strategy.engine,
+                    "deepspeed_config": ds, "accelerate_config": accelerate_config(run)})
+        return
+    from rich.table import Table
+
+    from memfit.cli.output import console
+
+    d = run.distributed
+    table = Table(title=f"memfit launch (dry run): {run.strategy.label()}", show_header=False)
+    table.add_row("engine", run.strategy.engine)
+    table.add_row("layout", f"{d.nodes} node(s) x {d.nproc} process(es) = world size {world_size(run)}")
+    table.add_row("this node", f"node_rank {d.node_rank}, rendezvous {d.master_addr}:{d.master_port}")
+    if ds:
+        z = ds["zero_optimization"]
+        table.add_row("DeepSpeed", f"ZeRO-{z['stage']}, offload optimizer: {'offload_optimizer' in z}, "
+                                   f"params: {'offload_param' in z}, reduce bucket {z['reduce_bucket_size']}")
+    console.print(table)
+    console.print(shlex.join(cmd), soft_wrap=True, highlight=False)
+
+
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add ``launch`` to `app`."""
+    app.command("launch")(launch_command)

@@ -1,0 +1,103 @@
+"""Start one training process per device with ``torchrun``, on this node or one node of many.
+
+``launch(run.yaml, nproc=8, nodes=2, node_rank=0, master_addr="10.0.0.1")`` runs, on this node::
+
+    python -m torch.distributed.run --nnodes 2 --node-rank 0 --nproc-per-node 8 \
+        --master-addr 10.0.0.1 --master-port 29500 -m memfit.train run.yaml --set distributed.nproc=8 ...
+
+Every node runs the same command with its own ``node_rank``. The layout is also passed as ``--set``
+overrides so each process's run (and the run.yaml rank 0 saves) says how it was launched; the
+pre-flight compares it with the launched world size. DeepSpeed goes through torchrun as well (on the CPU
+``accelerate launch --use_deepspeed`` does not set up the process group; torchrun does, everywhere).
+
+Plain Python: torch is imported by the launched processes, not here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from memfit.errors import ConfigError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def check_layout(nproc: int, nodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
+    """One-line ConfigErrors for a layout torchrun would reject later (or hang on)."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: give the number of processes on this node (1 or more)")
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: give the number of nodes (1 or more)")
+    if not 0 <= node_rank < nodes:
+        raise ConfigError(f"--node-rank {node_rank}: with --nodes {nodes} it must be 0..{nodes - 1} "
+                          "(0 on the node whose address is --master-addr)")
+    if not 1 <= master_port <= 65535:
+        raise ConfigError(f"--master-port {master_port}: must be 1..65535 (default 29500)")
+    if nodes > 1 and _is_loopback(master_addr):
+        raise ConfigError(f"--master-addr {master_addr} with --nodes {nodes}: the other nodes cannot reach a "
+                          "loopback address; give node 0's address on the cluster network, e.g. 10.0.0.1")
+
+
+def layout_overrides(nproc: int, nodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
+    return [f"distributed.nproc={nproc}", f"distributed.nodes={nodes}", f"distributed.node_rank={node_rank}",
+            f"distributed.master_addr={master_addr}", f"distributed.master_port={master_port}"]
+
+
+def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
+                   master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
+                   resume: bool = False, python: Optional[str] = None) -> list[str]:
+    """The torchrun command line this node runs (what :func:`launch` executes)."""
+    check_layout(nproc, nodes, node_rank, master_addr, master_port)
+    cmd = [python or sys.executable, "-m", "torch.distributed.run",
+           "--nnodes", str(nodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+           "--master-addr", master_addr, "--master-port", str(master_port),
+           "-m", "memfit.train", str(run_path)]
+    for item in [*overrides, *layout_overrides(nproc, nodes, node_rank, master_addr, master_port)]:
+        cmd += ["--set", item]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[str, str]:
+    """The processes' environment: one BLAS/OpenMP thread pool share per process unless the user set it."""
+    env = dict(os.environ if base is None else base)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
+           master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
+           resume: bool = False) -> int:
+    """Run this node's share of the training with torchrun; returns its exit status (0 = all ranks ok).
+
+    The run file and overrides are validated first (one ConfigError line) so a typo does not start
+    ``nproc`` processes that all fail the same way.
+    """
+    from memfit.spec.run import load_run
+
+    run_path = Path(run_path)
+    layout = layout_overrides(nproc, nodes, node_rank, master_addr, master_port)
+    load_run(run_path, [*overrides, *layout])
+    cmd = launch_command(run_path, nproc=nproc, nodes=nodes, node_rank=node_rank, master_addr=master_addr,
+                         master_port=master_port, overrides=overrides, resume=resume)
+    try:
+        return subprocess.run(cmd, env=launch_env(nproc=nproc)).returncode
+    except KeyboardInterrupt:  # torchrun forwards the signal to its workers and exits
+        return 130
