@@ -51,6 +51,12 @@ def _strategy_options() -> dict[str, Any]:
                                    rich_help_panel=S),
         meft_neurons=typer.Option(None, "--meft-neurons", help="MEFT key-value pairs per layer.", rich_help_panel=S),
         meft_top_k=typer.Option(None, "--meft-top-k", help="MEFT active neurons per token.", rich_help_panel=S),
+        meft_experts=typer.Option(None, "--meft-experts", help="MEFT key experts: auto (~sqrt(neurons)) or a "
+                                  "number.", rich_help_panel=S),
+        lora_dropout=typer.Option(None, "--lora-dropout", help="LoRA dropout (0 saves the dropout copies).",
+                                  rich_help_panel=S),
+        double_quant=typer.Option(None, "--double-quant/--no-double-quant", help="QLoRA double quantisation.",
+                                  rich_help_panel=S),
     )
 
 
@@ -64,6 +70,8 @@ def _fixed_keys(**flags: Any) -> dict[str, Any]:
         key = names.get(flag, flag)
         if key == "fsdp":
             value = False if str(value).lower() in ("false", "no", "0", "none", "off") else value
+        if key == "meft_experts" and str(value).isdigit():
+            value = int(value)
         if key == "lora_targets":
             value = tuple(t.strip() for t in value.split(",") if t.strip())
             if not value:
@@ -291,10 +299,11 @@ def _with_strategy_flags(fn: Any) -> Any:
     import inspect
 
     sig = inspect.signature(fn, eval_str=True)
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=Optional[
-        int if name in ("zero", "lora_r", "lora_alpha", "meft_neurons", "meft_top_k")
-        else bool if name == "gradient_checkpointing" else str])
-        for name, opt in _strategy_options().items()]
+    kinds = {"zero": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int, "meft_top_k": int,
+             "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool}
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
+                               annotation=Optional[kinds.get(name, str)])
+             for name, opt in _strategy_options().items()]
     params = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
     params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params] + extra
 
