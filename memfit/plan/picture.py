@@ -19,6 +19,10 @@ from memfit.plan.matrix import NO_FIT, Matrix
 NO_FIT_COLOUR = "#d9d9d9"
 
 
+def _seconds(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def saving_level(strategy: Any) -> tuple:
     """How much memory saving a recipe uses: sharding stage, then checkpointing, then offload."""
     stage = strategy.zero_stage or {"full_shard": 3, "shard_grad_op": 2}.get(strategy.fsdp or "", 0)
@@ -51,11 +55,14 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
     fig, ax = plt.subplots(figsize=(1.6 * n_cols + 2.2, 0.75 * n_rows + 1.6))
     for i, row in enumerate(rows):
         for j, label in enumerate(row):
+            cell = m.cell(m.models[i], m.seq_lens[j])
             recipe = label.split(" ×")[0]
             colour = colours.get(recipe, NO_FIT_COLOUR)
             y = n_rows - 1 - i
             ax.add_patch(Rectangle((j, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
             text = label.replace("+", "+\n", 1) if len(label) > 12 else label
+            if cell.recommended is not None:
+                text += f"\n{_seconds(cell.recommended.step_seconds)} s/step"
             r, g, b = colour[:3] if not isinstance(colour, str) else (0.85, 0.85, 0.85)
             dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
             ax.text(j + 0.5, y + 0.5, text, ha="center", va="center", fontsize=8,
@@ -68,7 +75,7 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    ax.set_title(title or f"Fastest recipe that fits on {facts.hardware_text(m.hardware)} "
+    ax.set_title(title or f"Fastest recipe that fits on {facts.hardware_text(m.hardware)}, predicted step time "
                           "(✗: none fits; ×2n: two nodes)", fontsize=10)
     handles = [Patch(facecolor=colours[r], label=r) for r in recipes]
     if handles:
