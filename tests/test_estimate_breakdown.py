@@ -29,11 +29,11 @@ def test_full_bf16_sdpa():
     # + SwiGLU 4*128) = 1536; fp32 log-sum-exp 4 B x 4 heads = 16 -> 2320; x 8 tokens x 2 layers = 37,120
     # tail: final norm 6*64 + head input 2*64 = 512 per token x 8 = 4,096 -> 41,216
     assert g["activations"] == 41_216
-    assert g["logits"] == 8 * 100 * 14  # half 2 + fp32 log-softmax 4 + two fp32 grads 8 per logit
+    assert g["logits"] == 8 * 100 * 12  # fp32 log-softmax 4 + two fp32 grads 8 per logit
     # ZeRO-1 buckets: 2 reduce buckets of min(h², P) = 4096 elements + allgather min(2e8, P) = 86,848, x 2 B
     assert g["comm_buffers"] == 2 * 2 * 4096 + 2 * 86_848 and g["gathered_params"] == 0
     assert g["peak_concurrency"] == 0  # DeepSpeed keeps its gradients: everything is live at the loss
-    formula = 4 * 86_848 + 12 * 86_848 + 41_216 + 11_200 + g["comm_buffers"]
+    formula = 4 * 86_848 + 12 * 86_848 + 41_216 + 9_600 + g["comm_buffers"]
     assert g["overhead"] == pytest.approx(1e6 + 0.1 * formula)
     assert g["total"] == pytest.approx(formula * 1.1 + 1e6)
 
@@ -81,18 +81,18 @@ def test_fp32_everything_fp32():
     assert (g["weights"], g["gradients"], g["optimizer"]) == (4 * 86_848, 4 * 86_848, 8 * 86_848)
     # norms (4+4)*64*2 = 1024; 4 B x 768 = 3072; lse 16 -> 4112 per token; x16 = 65,792; tail 8*(512+256)
     assert g["activations"] == 65_792 + 8 * (8 * 64 + 4 * 64)
-    assert g["logits"] == 8 * 100 * 16
+    assert g["logits"] == 8 * 100 * 12
 
 
 def test_peak_concurrency_with_checkpointing():
     # DDP frees .grad each step, fp32, checkpointing, no optimizer temporaries (PROFILE):
     # grads 4P = 347,392 (built up during backward); inputs 2 layers x 4 B x 8 x 64 = 4096;
-    # recomputed layer 8 x 4112 = 32,896; tail 8 x (8*64 + 4*64) = 6144; logits 800 x 16 = 12,800
+    # recomputed layer 8 x 4112 = 32,896; tail 8 x (8*64 + 4*64) = 6144; logits 800 x 12 = 9,600
     g = run(precision="fp32", gradient_checkpointing=True).gpu
     assert g["activations"] == 4096 + 32_896 + 6144
-    # A (loss) = 4096 + 6144 + 12,800 = 23,040; B1 (last layer recomputes) = 6144 + 32,896 + 4096
-    # + 0.5 x 12,800 = 49,536; B2 (first layer) = 32,896 + 347,392 = 380,288 <- the peak
-    lines = 347_392 + 43_136 + 12_800
+    # A (loss) = 4096 + 6144 + 9,600 = 19,840; B1 (last layer recomputes) = 6144 + 32,896 + 4096
+    # + 0.25 x 9,600 = 45,536; B2 (first layer) = 32,896 + 347,392 = 380,288 <- the peak
+    lines = 347_392 + 43_136 + 9_600
     assert g["peak_concurrency"] == 380_288 - lines
     static = g["weights"] + g["optimizer"]
     assert g["total"] - g["overhead"] == pytest.approx(static + 380_288)

@@ -43,10 +43,10 @@ class Profile:
     # ---- GPU memory: activations ---------------------------------------------------------------------
     activation_scale: float = 1.0  # multiplier on the derived per-layer activation bytes (calibration knob)
     activation_korthikanti: float = 0.0  # 1.0 = use the GPT-style s·b·h·(34 + 5as/h) count instead of the derived one
-    logits_bytes_16bit: float = 14.0  # bytes per logit at the loss peak: half logits 2 + fp32 log-softmax 4 + two fp32 grads 8
-    logits_bytes_fp32: float = 16.0  # fp32 training: logits 4 + log-softmax 4 + two grads 8 (probe on a tiny Llama, CPU)
-    logits_live_during_recompute: float = 0.5  # with checkpointing: fraction of the logits line (its grads) still live while the last layer recomputes (CPU probe)
-    optimizer_step_temp_bytes: float = 4.0  # temporaries per locally-updated trainable param during the optimizer step (foreach AdamW)
+    logits_bytes_16bit: float = 12.0  # bytes per logit at the loss peak: fp32 log-softmax 4 + two fp32 grads 8 (the trainer drops the half logits before backward)
+    logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
+    logits_live_during_recompute: float = 0.25  # with checkpointing: fraction of the logits line still live while the last layer recomputes (fitted, bench/estimate_vs_probe.py)
+    optimizer_step_temp_bytes: float = 2.5  # temporaries per locally-updated trainable param in the optimizer step (foreach AdamW on CPU measured ~2.6)
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)
