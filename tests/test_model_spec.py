@@ -20,6 +20,22 @@ def test_exact_parameter_counts(name, expected):
     assert resolve_model(name).parameters == expected
 
 
+@pytest.mark.parametrize("cfg, expected", [
+    # Qwen3-8B: q/k per-head norms, head_dim 128, untied
+    ({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
+      "tie_word_embeddings": False}, 8_190_735_360),
+    # Gemma-7B: head_dim 256 (q width 4096 > hidden 3072), tied by default
+    ({"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16,
+      "num_key_value_heads": 16, "head_dim": 256, "num_hidden_layers": 28, "vocab_size": 256000}, 8_537_680_896),
+    # Gemma-2-9B: four norms per layer
+    ({"model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+      "num_key_value_heads": 8, "head_dim": 256, "num_hidden_layers": 42, "vocab_size": 256000}, 9_241_705_984),
+])
+def test_other_llama_style_families(cfg, expected):
+    assert model_from_config(cfg).parameters == expected
+
+
 def test_falcon_180b_matches_published_size():
     m = resolve_model("falcon-180b")
     assert abs(m.parameters - 179.5e9) / 179.5e9 < 1e-3

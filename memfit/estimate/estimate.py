@@ -95,7 +95,7 @@ class Estimate:
 def _targets(model: ModelSpec, strategy: Strategy):
     """LoRA targets; PEFT's Llama-style default on a model without those names means all linears."""
     targets = strategy.lora_targets
-    if targets == DEFAULT_LORA_TARGETS and model.family not in ("llama", "mistral", "qwen2"):
+    if targets == DEFAULT_LORA_TARGETS and not M.numbers(model).lora_sums(targets)[0]:
         return ("all-linear",)
     return targets
 

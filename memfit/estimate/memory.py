@@ -105,6 +105,8 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, e: float, attention
     """
     n = numbers(model)
     norms = n.n_norms * norm_bytes_per_token(model, e)
+    if model.qk_norm:  # per-head RMSNorm on q and k: fp32 copy + output of each
+        norms += (4.0 + e) * (model.q_dim + model.kv_dim)
     if attention == "eager":
         per_tok = norms + e * (n.q_kv_eager + n.attn_out + n.tok_mlp) + (1 + e) * n.dropout_mask
         if model.family == "falcon":  # Falcon's eager softmax runs in the compute dtype

@@ -4,8 +4,9 @@ Plain Python (no torch, no transformers): a preset name, a model folder or a ``c
 becomes a frozen :class:`ModelSpec` with an exact parameter count and the list of per-layer linear
 modules (the names PEFT's ``target_modules`` match), so LoRA trainable counts are exact too.
 
-Supported ``model_type`` values: llama, mistral, qwen2 (Llama-style blocks: RMSNorm, RoPE, SwiGLU,
-grouped-query attention), falcon (fused QKV, GeLU MLP, LayerNorm, multi-query / grouped KV heads,
+Supported ``model_type`` values: llama, mistral, qwen2, qwen3, gemma, gemma2 (Llama-style blocks:
+RMSNorm, RoPE, gated MLP, grouped-query attention; qwen3 adds per-head q/k norms, gemma2 four norms per
+layer), falcon (fused QKV, GeLU MLP, LayerNorm, multi-query / grouped KV heads,
 parallel attention) and gpt_neox (fused QKV with biases, GeLU MLP, LayerNorm).
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Iterable, Optional
 from memfit.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
-LLAMA_STYLE = ("llama", "mistral", "qwen2")
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 SUPPORTED_TYPES = (*LLAMA_STYLE, "falcon", "gpt_neox")
 
@@ -64,6 +65,7 @@ class ModelSpec:
     max_positions: int
     linears: tuple[Linear, ...]
     norms_per_layer: int = 2
+    qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3)
     parallel_attn: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -77,6 +79,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         norm_params = self.hidden * (2 if self.norm == "layernorm" else 1)
         layer = sum(lin.parameters for lin in self.linears) + self.norms_per_layer * norm_params
+        if self.qk_norm:
+            layer += 2 * self.head_dim
         embed = self.vocab * self.hidden
         total = self.layers * layer + embed + norm_params + (0 if self.tie_embeddings else embed)
         object.__setattr__(self, "layer_parameters", layer)
@@ -168,6 +172,7 @@ def _llama_style(cfg: dict, name: str, where: str) -> ModelSpec:
     attn_bias = bool(cfg.get("attention_bias", False)) or mt == "qwen2"
     mlp_bias = bool(cfg.get("mlp_bias", False))
     o_bias = bool(cfg.get("attention_bias", False))
+    tie_default = mt in ("gemma", "gemma2")
     linears = (
         Linear("q_proj", h, heads * head_dim, attn_bias),
         Linear("k_proj", h, kv * head_dim, attn_bias),
@@ -180,10 +185,10 @@ def _llama_style(cfg: dict, name: str, where: str) -> ModelSpec:
     return ModelSpec(
         name=name, family=mt, hidden=h, layers=_need(cfg, "num_hidden_layers", where), heads=heads,
         kv_heads=kv, head_dim=head_dim, intermediate=f, vocab=_need(cfg, "vocab_size", where),
-        mlp="swiglu", norm="rmsnorm", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        mlp="swiglu", norm="rmsnorm", tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
         biases=tuple(lin.name for lin in linears if lin.bias),
         max_positions=int(cfg.get("max_position_embeddings") or 2048), linears=linears,
-        norms_per_layer=2, attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
+        norms_per_layer=4 if mt == "gemma2" else 2, qk_norm=mt == "qwen3", attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
     )
 
 
