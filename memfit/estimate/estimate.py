@@ -156,7 +156,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             reasons.append(lora_target_reason(model, targets))
         if method == "qlora":
             absmax = p.nf4_absmax_bytes_double_quant if st.double_quant else p.nf4_absmax_bytes
-            other_b = 4.0 if p.qlora_fp32_upcast else (4.0 if prec == "fp32" else 2.0)
+            # prepare_model_for_kbit_training upcasts the rest to fp32, but not under ZeRO-3/FSDP (it breaks
+            # their uniform-dtype flattening: fsdp-qlora.md), where it stays in the 16-bit storage dtype
+            upcast = p.qlora_fp32_upcast and not (st.fsdp or st.zero_stage == 3)
+            other_b = 4.0 if (upcast or prec == "fp32") else 2.0
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
         else:
             frozen_bytes = P * (4.0 if prec == "fp32" else 2.0)
@@ -274,10 +277,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     load_b = 4.0 if prec == "fp32" else 2.0
     if gpu.is_cpu:
         loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
-    elif engine == "zero3" and not fsdp or method == "qlora":
+    elif engine == "zero3" and not fsdp or (method == "qlora" and not fsdp):
         loading = procs * p.checkpoint_shard_bytes  # zero.Init / device_map: one shard at a time
     elif st.fsdp == "full_shard":
-        loading = P * load_b  # cpu_ram_efficient_loading: rank 0 materialises one copy per node
+        loading = P * load_b  # cpu_ram_efficient_loading: rank 0 materialises one 16-bit copy per node
+        # (QLoRA too: rank 0 reads the 16-bit checkpoint before quantising — the "140 GB" of fsdp-qlora.md)
     else:
         loading = procs * P * load_b  # every process builds a full copy before moving it to its GPU
     baseline = procs * p.process_baseline_bytes
