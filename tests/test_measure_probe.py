@@ -142,3 +142,20 @@ def test_merge_ranks_takes_the_peak_rank():
     assert m["peak_allocated_bytes"] == 12 and m["components"] == {"parameters": 12}
     assert m["peak_rss_bytes"] == 100 and m["step_seconds"] == 1.5
     assert [r["rank"] for r in m["ranks"]] == [0, 1]
+
+
+def test_model_states_known_at_start_are_claimed_from_unattributed():
+    from memfit.measure.probe import _claim_baseline
+
+    comps = {"parameters": 10, "optimizer_state": 0, "activations": 50, "unattributed": 40}
+    out = _claim_baseline(comps, {"parameters": 30, "optimizer_state": 15, "gradients": 0})
+    assert out == {"parameters": 30, "optimizer_state": 15, "activations": 50, "unattributed": 5}
+    assert sum(out.values()) == sum(comps.values())
+
+
+def test_root_cause_picks_the_rank_error_not_torchrun():
+    from memfit.measure.runner import _root_cause
+
+    log = ("noise\n[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: bad seq_len\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n")
+    assert _root_cause(log) == "[rank0]: ValueError: bad seq_len"

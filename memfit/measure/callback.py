@@ -74,17 +74,17 @@ class ProbeCallback(TrainerCallback):
         self._done = False
 
     # --------------------------------------------------------------- helpers
-    def _baseline(self):
+    def _baseline(self) -> dict[str, list]:
+        """What is live between steps, by component (for the raw-event figure and its breakdown)."""
+        parts: dict[str, list] = {"parameters": [], "gradients": [], "optimizer_state": []}
         if self._model is not None:
-            yield from self._model.parameters()
-            yield from self._model.buffers()
-            for p in self._model.parameters():
-                if p.grad is not None:
-                    yield p.grad
+            parts["parameters"] = [*self._model.parameters(), *self._model.buffers()]
+            parts["gradients"] = [p.grad for p in self._model.parameters() if p.grad is not None]
         if self._optimizer is not None:
             opt = getattr(self._optimizer, "optimizer", self._optimizer)  # accelerate wrapper
-            for state in getattr(opt, "state", {}).values():
-                yield from (v for v in state.values() if torch.is_tensor(v))
+            parts["optimizer_state"] = [v for state in getattr(opt, "state", {}).values()
+                                        for v in state.values() if torch.is_tensor(v)]
+        return parts
 
     def _measuring(self, step: int) -> bool:
         return self.warmup <= step < self.warmup + self.steps

@@ -92,14 +92,20 @@ def live_storage_bytes(tensors: Optional[Iterable[Any]] = None, device: str = "c
         tensors = (o for o in gc.get_objects() if isinstance(o, torch.Tensor))
     seen: dict[int, int] = {}
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != dev.type or t.is_meta:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2 shards): count this rank's shard
+        if isinstance(local, torch.Tensor):
+            t = local
+        if t.device.type != dev.type or t.is_meta:
             continue
         try:
             st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse / wrapper subclasses / freed (FSDP) storage
             continue
-        if st.data_ptr():
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        if ptr:
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
     return sum(seen.values())
 
 
@@ -139,6 +145,7 @@ class TensorMemoryProbe:
         self._prof = None
         self._result: Optional[ProbeResult] = None
         self._baseline = 0
+        self._baseline_parts: dict[str, int] = {}
 
     @property
     def _cuda(self) -> bool:
@@ -154,7 +161,11 @@ class TensorMemoryProbe:
             self._baseline = torch.cuda.memory_allocated(self.device)
         else:
             src = self._baseline_fn() if self._baseline_fn else None
-            self._baseline = live_storage_bytes(src, self.device)
+            if isinstance(src, dict):  # {component: tensors}: also a breakdown for the raw-event figure
+                self._baseline_parts = {k: live_storage_bytes(v, self.device) for k, v in src.items()}
+                self._baseline = sum(self._baseline_parts.values())
+            else:
+                self._baseline = live_storage_bytes(src, self.device)
         activities = [ProfilerActivity.CPU]
         if self._cuda:
             activities.append(ProfilerActivity.CUDA)
@@ -169,15 +180,19 @@ class TensorMemoryProbe:
         self._prof.__exit__(None, None, None)
         results = self._prof.profiler.kineto_results
         raw = self._baseline + _raw_event_peak(results, self.device)
+        # raw events carry no categories: what was live at the start (by kind) + the rest
+        raw_parts = _rescale({k: v for k, v in self._baseline_parts.items() if v}, raw)
         res = None
         if self.categories:
             try:
                 res = _timeline_peak(results, self.device, self.logits_bytes)
             except Exception as err:  # private API: fall back to the raw events, say so
-                res = ProbeResult(self.device, raw, {"unattributed": raw},
+                res = ProbeResult(self.device, raw, raw_parts,
                                   method=f"raw-events (timeline failed: {type(err).__name__})")
         if res is None:
-            res = ProbeResult(self.device, raw, {"unattributed": raw}, method="raw-events")
+            res = ProbeResult(self.device, raw, raw_parts, method="raw-events")
+        elif res.method == "profiler-timeline":
+            res.components = _claim_baseline(res.components, self._baseline_parts)
         res.raw_events_peak_bytes = raw
         res.baseline_bytes = self._baseline
         if self._cuda:
@@ -208,6 +223,19 @@ def _rescale(components: dict[str, int], total: int) -> dict[str, int]:
     """Put the difference between the counter's total and the categorised sum in 'unattributed'."""
     out = dict(components)
     out["unattributed"] = out.get("unattributed", 0) + total - sum(components.values())
+    return out
+
+
+def _claim_baseline(components: dict[str, int], parts: dict[str, int]) -> dict[str, int]:
+    """Where the timeline could not categorise model states (e.g. FSDP's sharded DTensors), move what
+    was known live at the start from 'unattributed' to its component. The sum is unchanged."""
+    out = dict(components)
+    for name, known in parts.items():
+        missing = known - out.get(name, 0)
+        take = min(max(missing, 0), out.get("unattributed", 0))
+        if take > 0:
+            out[name] = out.get(name, 0) + take
+            out["unattributed"] -= take
     return out
 
 

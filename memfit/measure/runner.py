@@ -58,6 +58,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _root_cause(text: str) -> str:
+    """The most telling line of a failed worker's log: the last exception line of a rank, not torchrun's."""
+    import re
+
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Exceeded)\b.*:", ln) and \
+                "ChildFailedError" not in ln:
+            return ln[:400]
+    return " | ".join(lines[-3:])[:400]
+
+
 def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One ``measured`` object: the peak rank's figures, the slowest step, and every rank listed."""
     if not ranks:
@@ -117,8 +129,7 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
                                             timeout=timeout).returncode
         ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
         if returncode != 0 and not ranks:
-            lines = [ln for ln in log.read_text(errors="replace").strip().splitlines() if ln.strip()]
-            tail = " | ".join(lines[-3:])
+            tail = _root_cause(log.read_text(errors="replace"))
             raise MemfitError(f"measured run {run.strategy.label()} failed (exit {returncode}): {tail}")
         measured = merge_ranks(ranks)
         if returncode != 0:  # e.g. DeepSpeed's flaky shutdown after training finished
