@@ -132,35 +132,55 @@ def _tiny_llama():
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024))
 
 
-def part_c(steps: int = 8) -> dict:
+def part_c(steps: int = 5) -> dict:
     from peft import LoraConfig, get_peft_model
+
+    from memfit.meft import meft_state
 
     ids = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(0))
 
-    def timed(model, opt):
+    def timed(model, opt) -> tuple[float, float]:
+        """(wall seconds with all threads, CPU seconds of one thread): medians over ``steps``."""
         def one():
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-        return _median_time(one, steps)
+        wall = _median_time(one, steps)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            one()
+            cpu = []
+            for _ in range(steps):
+                t0 = time.thread_time()
+                one()
+                cpu.append(time.thread_time() - t0)
+        finally:
+            torch.set_num_threads(threads)
+        return wall, statistics.median(cpu)
 
     lora = get_peft_model(_tiny_llama(), LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     lora.train()
-    lora_opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
-    lora_s = timed(lora, lora_opt)
+    lora_params = [p for p in lora.parameters() if p.requires_grad]
+    lora_t = timed(lora, torch.optim.AdamW(lora_params, lr=1e-4))
     meft_cfg = MeftConfig(neurons=2048, top_k=32, experts="auto", n_probe=8)
     meft = add_meft(_tiny_llama(), meft_cfg)
-    meft_s = timed(meft, build_meft_optimizer(meft, lr=1e-4))
+    meft_t = timed(meft, build_meft_optimizer(meft, lr=1e-4))
     plain = _tiny_llama()
     for p in plain.parameters():
         p.requires_grad_(False)
-    plain.get_input_embeddings().weight.requires_grad_(True)
-    base_s = timed(plain, torch.optim.SGD([plain.get_input_embeddings().weight], lr=0.0))
+    emb = plain.get_input_embeddings().weight.requires_grad_(True)
+    base_t = timed(plain, torch.optim.SGD([emb], lr=0.0))
+    name = f"MEFT r={meft_cfg.neurons} K={meft_cfg.top_k} E={meft_cfg.num_experts} P={meft_cfg.probes}"
     return {"setting": "Llama d=256, 4 layers, batch 2 x seq 128, fp32, CPU",
-            "lora_r16_step_ms": lora_s * 1e3,
-            f"meft_r{meft_cfg.neurons}_k{meft_cfg.top_k}_step_ms": meft_s * 1e3,
-            "frozen_base_step_ms": base_s * 1e3,
+            "rows": [
+                {"name": "LoRA r=16 (all projections)", "trainable": sum(p.numel() for p in lora_params),
+                 "wall_ms": lora_t[0] * 1e3, "cpu_1thread_ms": lora_t[1] * 1e3},
+                {"name": name, "trainable": meft_state(meft)["trainable_parameters"],
+                 "wall_ms": meft_t[0] * 1e3, "cpu_1thread_ms": meft_t[1] * 1e3},
+                {"name": "frozen base (forward+backward only)", "trainable": 0,
+                 "wall_ms": base_t[0] * 1e3, "cpu_1thread_ms": base_t[1] * 1e3}],
             "meft_per_step_traffic": traffic(meft)}
 
 
@@ -204,9 +224,9 @@ def main() -> None:
     if "c_step_time" in results:
         c = results["c_step_time"]
         print(f"(c) step time, {c['setting']}")
-        for key, value in c.items():
-            if key.endswith("_ms"):
-                print(f"    {key:<28} {value:8.1f}")
+        print(f"    {'':<36} {'trainable':>10} {'wall ms':>9} {'1-thread CPU ms':>16}")
+        for row in c["rows"]:
+            print(f"    {row['name']:<36} {row['trainable']:>10,} {row['wall_ms']:>9.1f} {row['cpu_1thread_ms']:>16.1f}")
         t = c["meft_per_step_traffic"]
         print(f"    MEFT bytes per step: h2d {t['h2d'] / MB:.2f} MB, d2h {t['d2h'] / MB:.2f} MB")
 
