@@ -101,3 +101,18 @@ def test_fallback_halves_micro_batch_and_matches_a_direct_run(assets):
     train_with_fallback(_run(assets, root / "d", gradient_checkpointing=True, micro_batch_size=1,
                              grad_accum=2))
     _assert_same(_adapter(root / "c"), _adapter(root / "d"), atol=1e-5)
+
+
+def test_memory_limit_walks_the_ladder_then_says_what_is_left(assets):
+    from memfit.errors import MemfitError
+
+    root = assets[2]
+    run = _run(assets, root / "e", gradient_checkpointing=False, micro_batch_size=2)
+    with pytest.raises(MemfitError, match="no lighter plan is left"):
+        train_with_fallback(run, memory_limit=1)  # 1 byte: every attempt crosses the cap at step 1
+    log = json.loads((root / "e" / "fallback.json").read_text())
+    assert len(log["attempts"]) == 3  # as given, + checkpointing, + micro-batch 1 x accumulation 2
+    assert all("MemoryLimitExceeded" in a["error"] for a in log["attempts"])
+    last = log["attempts"][-1]["levers"]
+    assert last["gradient_checkpointing"] and last["micro_batch_size"] == 1 and last["grad_accum"] == 2
+    assert all(a["resumed_from"] is None for a in log["attempts"])  # no checkpoint was ever written
