@@ -4,7 +4,9 @@ Run: .venv/bin/python bench/estimate_vs_probe.py [--quick]
 For each configuration it builds a tiny Llama from a config (random weights), runs one warm-up step
 (AdamW, zero_grad(set_to_none=True), like the HF Trainer), then measures one step with memfit's
 TensorMemoryProbe and prints the measured peak, memfit's ``memory.gpu_allocated_bytes`` and the error.
-~1–2 minutes on 2 cores (``--quick``: the first three configurations).
+It also times one unprobed step against ``time.step_seconds`` (a rough check of the CPU FLOP/s
+constants; tiny models are dominated by per-op overhead). ~1–2 minutes on 2 cores (``--quick``: the
+first three configurations).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cases = cases[:3]
     hw = parse_hardware("local")
-    print(f"{'config':34} {'measured MB':>12} {'predicted MB':>13} {'error':>7}")
+    print(f"{'config':34} {'measured MB':>12} {'predicted MB':>13} {'error':>7} {'step s':>7} {'pred s':>7}")
     errors = []
     t0 = time.time()
     for cfg, method, gc, attn, prec, b, s in cases:
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
 
         step()
+        t_step = time.perf_counter()
+        step()
+        t_step = time.perf_counter() - t_step
         with TensorMemoryProbe("cpu", categories=True) as probe:
             step()
         res = probe.result()
@@ -77,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         spec = model_from_config({"model_type": "llama", **cfg}, name="tiny")
         st = Strategy(method=method, precision=prec, attention=attn, gradient_checkpointing=gc, seq_len=s,
                       micro_batch_size=b)
-        predicted = estimate(spec, hw, st).to_dict()["memory"]["gpu_allocated_bytes"]
+        est = estimate(spec, hw, st)
+        predicted = est.to_dict()["memory"]["gpu_allocated_bytes"]
         err = 100.0 * (predicted / measured - 1.0)
         errors.append(err)
         label = f"h{cfg['hidden_size']} {method} {'gc' if gc else '--'} {attn} {prec} b{b} s{s}"
-        print(f"{label:34} {measured / 1e6:12.1f} {predicted / 1e6:13.1f} {err:+6.1f}%")
+        print(f"{label:34} {measured / 1e6:12.1f} {predicted / 1e6:13.1f} {err:+6.1f}% "
+              f"{t_step:7.3f} {est.step_seconds:7.3f}")
     print(f"error range {min(errors):+.1f}% .. {max(errors):+.1f}% over {len(errors)} configurations "
           f"({time.time() - t0:.0f} s)")
     return 0

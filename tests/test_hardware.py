@@ -59,3 +59,16 @@ def test_parse_size(text, value):
 def test_parse_size_errors(text):
     with pytest.raises(MemfitError, match="128GB"):
         parse_size(text)
+
+
+def test_local_uses_nvidia_smi_and_visible_devices(monkeypatch):
+    from memfit.spec import hardware as H
+    monkeypatch.setattr(H, "_nvidia_smi", lambda: [("NVIDIA A100-SXM4-80GB", 81920 << 20)] * 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    hw = H.parse_hardware("local")
+    assert hw.gpus_per_node == 2 and hw.gpu.name == "A100-80GB" and hw.gpu.memory_bytes == 80 * GiB
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert H.parse_hardware("local").gpu.is_cpu
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(H, "_nvidia_smi", lambda: [("NVIDIA GeForce RTX 4090", 24564 << 20)])
+    assert H.parse_hardware("local").gpu.fa2 and H.parse_hardware("local").gpu.peak_flops == 165e12

@@ -24,8 +24,8 @@ class Profile:
     # ---- time: compute ----------------------------------------------------------------------------
     utilization: float = 0.45  # achieved fraction of peak 16-bit FLOP/s at large batches (memory-model.md: 35–55 %)
     utilization_fp32: float = 0.6  # achieved fraction of plain fp32 FLOP/s (no tensor cores; simpler kernels)
-    utilization_cpu: float = 0.3  # CPU pseudo-device: fraction of the core-count FLOP/s estimate (guess; calibrate)
-    utilization_half_tokens: float = 256.0  # tokens per micro-batch at which utilisation is half of the above (small batches starve the GPU; guess)
+    utilization_cpu: float = 0.25  # CPU pseudo-device: fraction of the core-count FLOP/s estimate (tiny-Llama steps on a shared 2-core machine: 0.15–0.4)
+    utilization_half_tokens: float = 256.0  # GPUs: tokens per micro-batch at which utilisation is half of the above (small batches starve a GPU; guess)
     qlora_dequant_slowdown: float = 1.3  # NF4 dequantisation makes frozen matmuls this much slower (bitsandbytes reports 1.2–1.5x)
     eager_attention_slowdown: float = 1.5  # eager attention (materialised s²) runs its FLOPs this much slower than fused kernels (guess)
     gpu_optimizer_seconds_per_param: float = 2e-11  # GPU optimizer step: ~32 B read+written per param at ~1.5 TB/s

@@ -62,7 +62,8 @@ CATALOG: dict[str, GpuSpec] = {g.name: g for g in (
 )}
 
 DEFAULT_INTER_NODE_BANDWIDTH = 12.5 * GB  # 100 Gb/s InfiniBand / RoCE per node, one direction
-CPU_FLOPS_PER_CORE = 32e9  # ~2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x ~2 GHz; a rough order of magnitude
+CPU_FLOPS_PER_CORE = 64e9  # fp32 peak per core, order of magnitude: 2 FMA units x 8–16 lanes x 2 FLOP x 2–3 GHz
+# (a 2048² fp32 matmul ran at ~44 GFLOP/s per core on this project's shared CI-like machine)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,10 @@ def detect_local(cpu_ram: Optional[int] = None) -> HardwareSpec:
     """CUDA devices via nvidia-smi when present, otherwise the CPU and its RAM."""
     ram = cpu_ram if cpu_ram is not None else _meminfo_bytes()
     rows = _nvidia_smi()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if rows and visible is not None:  # the devices this process may use
+        wanted = [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        rows = [rows[int(v)] for v in wanted if v.isdigit() and int(v) < len(rows)] if wanted else []
     if rows:
         gpu = _match_detected(*rows[0])
         return HardwareSpec(gpu, gpus_per_node=len(rows), nodes=1, cpu_ram_bytes=ram,
