@@ -127,3 +127,16 @@ def test_profile_roundtrip_and_errors(tmp_path):
         Profile.load(tmp_path / "bad2.json")
     with pytest.raises(ConfigError, match="korthikanti"):
         estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(), activation_formula="gpt")
+
+
+def test_processes_on_the_cpu_share_ram_and_cores():
+    m = resolve_model("llama-2-7b")
+    one = estimate(m, parse_hardware("CPU", cpu_ram="64GB"), Strategy(method="lora", precision="fp32"))
+    two = estimate(m, parse_hardware("2xCPU", cpu_ram="64GB"),
+                   Strategy(method="lora", precision="fp32", fsdp="full_shard"))
+    assert two.hardware.world_size == 2 and two.gpu_total < one.gpu_total
+    assert two.cpu["process_baseline"] == 2 * one.cpu["process_baseline"]
+    assert two.time["achieved_flops_per_second"] == one.time["achieved_flops_per_second"] / 2
+    small = estimate(m, parse_hardware("2xCPU", cpu_ram="40GB"),
+                     Strategy(method="lora", precision="fp32", fsdp="full_shard"))
+    assert not small.fits and "model 2 x" in small.reasons[0]

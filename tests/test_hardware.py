@@ -47,6 +47,8 @@ def test_local_detects_something():
     hw = parse_hardware("local")
     assert hw.world_size >= 1 and hw.gpu.memory_bytes > 0 and hw.cpu_ram_bytes > 0
     assert parse_hardware("local", cpu_ram="8GiB").cpu_ram_bytes == 8 * GiB
+    hw = parse_hardware("2xCPU", cpu_ram="8GiB")
+    assert hw.gpu.is_cpu and hw.world_size == 2 and hw.gpu.memory_bytes == hw.cpu_ram_bytes == 8 * GiB
 
 
 @pytest.mark.parametrize("text, value", [("128GB", 128e9), ("64GiB", 64 * GiB), ("512MB", 512e6),

@@ -270,7 +270,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "total": formula + overhead}
 
     # ---- CPU RAM per node ------------------------------------------------------------------------
-    procs = 1 if gpu.is_cpu else per_node
+    procs = per_node
     meft_store = 2.0 * model.layers * st.meft_neurons * model.hidden * 16.0 if method == "meft" else 0.0
     pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") else 0.0
     steady = procs * (cpu_opt + cpu_grads + cpu_params + pinned + meft_store)
@@ -303,7 +303,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
     compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff
     floor_flops = dense + attn + adapter
-    peak = gpu.fp32_flops if (prec == "fp32" or gpu.is_cpu) else gpu.peak_flops
+    peak = gpu.fp32_flops / per_node if gpu.is_cpu else gpu.fp32_flops if prec == "fp32" else gpu.peak_flops
     floor_s = floor_flops / peak
 
     gather_all = compute_all if family == "fsdp" else weights_all
@@ -341,10 +341,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)
     gpu_total = gpu_lines["total"]
-    if gpu.is_cpu:
-        need = gpu_total + cpu_total
+    if gpu.is_cpu:  # one RAM holds every process's "device" lines and the process/offload lines
+        need = per_node * gpu_total + cpu_total
         if need > usable:
-            reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {gpu_total / 1e9:.2f} + process/offload "
+            procs_txt = f"{per_node} x " if per_node > 1 else ""
+            reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {procs_txt}{gpu_total / 1e9:.2f} + process/offload "
                            f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; over by {(need - usable) / 1e9:.2f} GB")
     else:
         if gpu_total > usable:

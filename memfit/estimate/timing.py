@@ -18,8 +18,8 @@ from memfit.spec.model import ModelSpec
 def effective_flops(hw: HardwareSpec, precision: str, tokens_per_micro: float, profile: Profile) -> float:
     """Achieved FLOP/s of one device for this precision and micro-batch size."""
     gpu = hw.gpu
-    if gpu.is_cpu:  # a CPU is saturated by small matmuls already
-        return gpu.fp32_flops * profile.utilization_cpu
+    if gpu.is_cpu:  # a CPU is saturated by small matmuls already; N processes share its cores
+        return gpu.fp32_flops * profile.utilization_cpu / hw.gpus_per_node
     if precision == "fp32":
         base = gpu.fp32_flops * profile.utilization_fp32
     else:

@@ -241,7 +241,8 @@ def parse_hardware(text: str, cpu_ram: Optional[str | int] = None, nodes: Option
         if b is not None and nodes != n_nodes:
             raise ConfigError(f"hardware {raw!r} says {n_nodes} nodes but --nodes {nodes}; give one of them")
         n_nodes = nodes
-    if gpu.is_cpu:
-        per_node = 1
+    # "NxCPU": N processes (gloo) sharing this machine's RAM and cores
+    if gpu.is_cpu and ram is not None:
+        gpu = replace(gpu, memory_bytes=ram)
     node_ram = ram if ram is not None else (gpu.memory_bytes if gpu.is_cpu else default_cpu_ram(gpu, per_node))
     return HardwareSpec(gpu, per_node, n_nodes, node_ram, cpu_ram_given=ram is not None, label=raw)
