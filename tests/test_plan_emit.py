@@ -58,3 +58,14 @@ def test_emit_into_a_file_is_refused(tmp_path):
     f.write_text("x")
     with pytest.raises(MemfitError, match="not a folder"):
         emit(f, Strategy(), model=LLAMA, model_ref="llama-2-7b", hardware=parse_hardware("1xA100-80GB"))
+
+
+def test_cpu_pool_emits_one_process_per_device(tmp_path):
+    hw = parse_hardware("2xCPU", cpu_ram="16GB")
+    written = emit(tmp_path, Strategy(method="lora", zero_stage=2, precision="fp32"), model=LLAMA,
+                   model_ref="llama-2-7b", hardware=hw)
+    run = load_run(tmp_path / "run.yaml")
+    assert run.distributed.nproc == 2 and run.hardware == "2xCPU"
+    ds = json.loads((tmp_path / "deepspeed.json").read_text())
+    assert ds["train_batch_size"] == 2 and "offload_optimizer" not in ds["zero_optimization"]
+    assert sorted(p.name for p in written) == ["deepspeed.json", "run.yaml"]

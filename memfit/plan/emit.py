@@ -42,7 +42,7 @@ def _write_atomic(path: Path, text: str) -> Path:
 def run_spec_for(strategy: Strategy, *, model_ref: str, hardware: Any, hardware_ref: Optional[str] = None,
                  cpu_ram: Optional[str] = None, output_dir: Optional[str] = None) -> RunSpec:
     """The run file for ``strategy``: model, pool, CPU RAM, the strategy, and one process per GPU."""
-    nproc = 1 if facts.is_cpu(hardware) else facts.gpus_per_node(hardware)
+    nproc = facts.gpus_per_node(hardware)  # one process per GPU, or per CPU "device" of an NxCPU pool
     name = Path(model_ref).name or "model"
     return RunSpec(
         model=model_ref,

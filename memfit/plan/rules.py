@@ -83,7 +83,7 @@ def _meft(model: Any, hw: Any, s: Strategy) -> str | None:
     ram = facts.cpu_ram_bytes(hw)
     h, layers = facts.hidden_size(model), facts.num_layers(model)
     if ram and h and layers:
-        ranks = 1 if facts.is_cpu(hw) else facts.gpus_per_node(hw)
+        ranks = facts.gpus_per_node(hw)  # each process keeps its own store (NxCPU pools share one RAM)
         need = 2 * h * s.meft_neurons * layers * MEFT_CPU_BYTES_PER_PARAM * ranks
         if need > ram:
             return (f"method=meft: the CPU store of {s.meft_neurons} neurons x {layers} layers needs "
