@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--distributed", action="store_true", help="add 2-process FSDP / ZeRO-2 cells")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per measured process")
+    ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out "
+                    "(no new runs): to check an estimator change against the same measurements")
     args = ap.parse_args()
 
     from memfit.measure.compare import summarize
@@ -125,13 +127,20 @@ def main() -> int:
           f"{'pred MB':>8} {'alloc MB':>8} {'err %':>6} {'RSS MB':>8} {'step s':>7}", flush=True)
     for i, cell in enumerate(cells):
         run = make_run(cell, models)
+        saved = args.out / "runs" / f"{i:02d}-{cell['model']}.json"
         try:
-            rec = measure(run, warmup=1, steps=1, threads=args.threads)
+            if args.reuse:
+                if not saved.is_file():
+                    continue
+                rec = measure(run, measured=json.loads(saved.read_text())["measured"])
+            else:
+                rec = measure(run, warmup=1, steps=1, threads=args.threads)
         except Exception as err:  # keep going: one failed cell should not lose the grid
             print(f"{i:2d} {cell['model']:6} {run.strategy.label()}: FAILED {err}", flush=True)
             continue
         rec["cell"] = cell
-        save_record(rec, args.out / "runs", f"{i:02d}-{cell['model']}")
+        if not args.reuse:
+            save_record(rec, args.out / "runs", f"{i:02d}-{cell['model']}")
         records.append(rec)
         m = rec["measured"]
         pred = (rec["predicted"] or {}).get("memory", {}).get("gpu_bytes", {}).get("total")
@@ -155,11 +164,12 @@ def main() -> int:
 
 
 def calibration_check(records: list[dict]) -> None:
-    """Fit memory constants on the Llama-style runs, report the Qwen2-style runs with them."""
+    """Fit the constants on the Llama-style runs (each to the component it governs), report the
+    Qwen2-style runs' total error with them: shapes the constants were not fitted to."""
     try:
         from memfit.estimate.constants import Profile
-        from memfit.measure.calibrate import calibrate, run_estimate_fn
-        from memfit.measure.compare import error_pct, summarize
+        from memfit.measure.calibrate import DEFAULT_PLAN, calibrate, run_estimate_fn, total_errors
+        from memfit.measure.compare import summarize
     except ImportError:
         return
     train = [r for r in records if r["cell"]["model"] == "llama"]
@@ -167,17 +177,16 @@ def calibration_check(records: list[dict]) -> None:
     if not train or not held:
         return
     fn = run_estimate_fn()
-    fitted, reports = calibrate(train, Profile(), fn, memory_fields=["activation_scale", "logits_bytes_fp32",
-                                                                     "checkpoint_extra_layers"], time_fields=[])
-    rep = reports[0]
-    errs = [error_pct(fn(r, fitted)["memory"]["gpu_bytes"]["total"], r["measured"]["peak_allocated_bytes"])
-            for r in held]
-    before = summarize([r["error_pct"].get("total") for r in held])
-    after = summarize(errs)
-    print(f"calibration on llama runs: {', '.join(f'{k}={v:.4g}' for k, v in rep['fitted'].items())} "
-          f"(fit RMS {rep['rms_error_pct_before']} % -> {rep['rms_error_pct_after']} %)")
-    print(f"held-out qwen2 runs: median |error| {before['median_abs_pct']} % -> {after['median_abs_pct']} %, "
-          f"max {before['max_abs_pct']} % -> {after['max_abs_pct']} %")
+    fitted, reports = calibrate(train, Profile(), fn, plan=[p for p in DEFAULT_PLAN if p[0] != "time"])
+    for rep in reports:
+        print(f"calibrated on llama runs ({rep['target']}): "
+              + ", ".join(f"{k} {rep['before'][k]:.4g} -> {v:.4g}" for k, v in rep["fitted"].items())
+              + f" (RMS {rep['rms_error_pct_before']} % -> {rep['rms_error_pct_after']} %)")
+    for name, group in (("llama (fitted)", train), ("qwen2 (held out)", held)):
+        before = summarize(total_errors(group, Profile(), fn))
+        after = summarize(total_errors(group, fitted, fn))
+        print(f"{name}: allocated-peak |error| median {before['median_abs_pct']} % -> {after['median_abs_pct']} %, "
+              f"max {before['max_abs_pct']} % -> {after['max_abs_pct']} %")
 
 
 if __name__ == "__main__":

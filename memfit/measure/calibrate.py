@@ -64,25 +64,41 @@ def _get(d: Optional[dict], *path: str) -> Optional[float]:
     return float(d) if isinstance(d, (int, float)) else None
 
 
+def _component(side: str, name: str):
+    from memfit.measure.compare import measured_by_component, predicted_memory
+
+    if side == "predicted":
+        return lambda est: predicted_memory(est).get(name)
+    return lambda meas: measured_by_component((meas or {}).get("components") or {}).get(name) or None
+
+
+# target -> (predicted figure from an Estimate dict, measured figure from a `measured` object)
 TARGETS = {
-    "memory": (("memory", "gpu_bytes", "total"), ("peak_allocated_bytes",)),
-    "time": (("time", "step_seconds"), ("step_seconds",)),
+    "memory": (lambda e: _get(e, "memory", "gpu_bytes", "total"), lambda m: _get(m, "peak_allocated_bytes")),
+    "time": (lambda e: _get(e, "time", "step_seconds"), lambda m: _get(m, "step_seconds")),
+    "activations": (_component("predicted", "activations"), _component("measured", "activations")),
+    "logits": (_component("predicted", "logits"), _component("measured", "logits")),
 }
+TARGET_HELP = {"memory": "measured.peak_allocated_bytes", "time": "measured.step_seconds",
+               "activations": "measured activations component", "logits": "measured logits component"}
 
 
 def _predicted(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, target: str) -> list[float]:
-    path = TARGETS[target][0]
     out = []
     for r in records:
-        v = _get(estimate_fn(r, profile), *path)
+        v = TARGETS[target][0](estimate_fn(r, profile))
         if v is None:
-            raise MemfitError(f"calibrate: the estimate has no {'.'.join(path)}")
-        out.append(v)
+            raise MemfitError(f"calibrate: the estimate has no figure for {target}")
+        out.append(float(v))
     return out
 
 
 def _measured(records: Sequence[dict], target: str) -> list[Optional[float]]:
-    return [_get(r.get("measured"), *TARGETS[target][1]) for r in records]
+    out = []
+    for r in records:
+        v = TARGETS[target][1](r.get("measured"))
+        out.append(float(v) if v else None)
+    return out
 
 
 # --------------------------------------------------------------------------- least squares
@@ -122,7 +138,7 @@ def fit(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *, targe
     recs = [r for r, m in zip(records, _measured(records, target)) if m]
     if not recs:
         raise MemfitError(f"calibrate: no measurement carries the {target} figure "
-                          f"({'.'.join(TARGETS[target][1])})")
+                          f"({TARGET_HELP[target]})")
     meas = [m for m in _measured(recs, target)]
     values = profile_fields(profile)
     if fields is None:
@@ -195,15 +211,32 @@ def fit(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *, targe
     return cur, report
 
 
+# The default plan: each constant fitted to the figure it governs (so it keeps a physical meaning).
+DEFAULT_PLAN: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("logits", ("logits_bytes_16bit", "logits_bytes_fp32")),
+    ("activations", ("activation_scale", "checkpoint_extra_layers")),
+    ("time", ("utilization", "utilization_fp32", "utilization_cpu")),
+)
+
+
 def calibrate(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *,
               memory_fields: Optional[Sequence[str]] = None,
-              time_fields: Optional[Sequence[str]] = None) -> tuple[Any, list[dict[str, Any]]]:
-    """Fit memory constants, then time constants; the profile's ``calibrated`` map gets each fitted
-    field's remaining RMS error (%)."""
+              time_fields: Optional[Sequence[str]] = None,
+              plan: Optional[Sequence[tuple[str, Sequence[str]]]] = None) -> tuple[Any, list[dict[str, Any]]]:
+    """Fit constants group by group; the profile's ``calibrated`` map gets each fitted field's remaining
+    RMS error (%) on its target.
+
+    ``plan`` is a list of (target, fields) with targets from TARGETS. Without it: ``memory_fields``
+    against the allocated peak and ``time_fields`` against step time (None = every field; [] = skip).
+    Groups whose target no record measured are skipped.
+    """
+    if plan is None:
+        plan = [("memory", memory_fields), ("time", time_fields)]
     reports = []
-    groups = (("memory", memory_fields), ("time", time_fields))
     calibrated: dict[str, float] = dict(getattr(profile, "calibrated", {}) or {})
-    for target, fields in groups:
+    for target, fields in plan:
+        if target not in TARGETS:
+            raise MemfitError(f"calibrate: unknown target {target!r}; known: {', '.join(TARGETS)}")
         if fields is not None and not fields:
             continue
         if not any(_measured(records, target)):
@@ -219,6 +252,14 @@ def calibrate(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *,
         except (TypeError, AttributeError):
             setattr(profile, "calibrated", calibrated)
     return profile, reports
+
+
+def total_errors(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn) -> list[Optional[float]]:
+    """Error % of the predicted total vs the allocated peak, per record, with ``profile``."""
+    from memfit.measure.compare import error_pct
+
+    return [error_pct(TARGETS["memory"][0](estimate_fn(r, profile)), _get(r.get("measured"), "peak_allocated_bytes"))
+            for r in records]
 
 
 # --------------------------------------------------------------------------- records on disk
