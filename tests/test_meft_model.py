@@ -44,6 +44,9 @@ def test_tiny_llama_trains_with_meft_and_loss_falls():
     assert list(adapters(model)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
     base_trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert base_trainable == ["model.layers.0.mlp.meft.router.weight", "model.layers.1.mlp.meft.router.weight"]
+    first = adapters(model)["model.layers.0.mlp"].store
+    assert torch.equal(first.keys[:128], model.model.layers[0].mlp.gate_proj.weight)  # keys from the FFN
+    assert len({tuple(row) for row in first.keys[:, :4].tolist()}) == 256  # no duplicated neurons
     ids = batch()
     with torch.no_grad():  # W_V starts at zero: the adapted model starts as the base model
         before = model(input_ids=ids).logits

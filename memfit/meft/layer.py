@@ -115,9 +115,13 @@ class MeftAdapter(nn.Module):
     def init_weights(self, ffn_rows: Optional[torch.Tensor], generator: torch.Generator) -> None:
         r, d = self.store.keys.shape
         if ffn_rows is not None and ffn_rows.shape[1] == d:
-            reps = math.ceil(r / ffn_rows.shape[0])
-            rows = ffn_rows.float().cpu().repeat(reps, 1)[:r]
-            self.store.keys.copy_(rows)
+            # the FFN's own rows first; beyond them random rows of the same spread (repeating rows
+            # would make neurons with identical keys and gradients, which never become different)
+            rows = ffn_rows.float().cpu()[:r]
+            self.store.keys[: rows.shape[0]].copy_(rows)
+            if rows.shape[0] < r:
+                extra = torch.randn(r - rows.shape[0], d, generator=generator) * rows.std()
+                self.store.keys[rows.shape[0]:].copy_(extra)
         else:
             bound = 1.0 / math.sqrt(d)
             self.store.keys.copy_(torch.rand(r, d, generator=generator) * 2 * bound - bound)
