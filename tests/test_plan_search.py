@@ -142,3 +142,15 @@ def test_plan_on_the_cpu_device():
     assert all(c.strategy.offload == "none" and c.strategy.attention != "fa2" for c in p.candidates)
     assert all(c.strategy.engine == "ddp" for c in p.candidates)  # one process: nothing to shard over
     assert "of RAM" in p.why[0]
+
+
+def test_cpu_pool_counts_every_process_in_one_ram():
+    from memfit.plan.search import ram_need
+
+    pool = parse_hardware("2xCPU", cpu_ram="64GB")
+    p = plan(LLAMA7, pool, seq_len=256, micro_batch_size=1)
+    usable = 64e9 * 0.95
+    assert p.candidates and all(ram_need(c, pool) <= usable for c in p.candidates)
+    assert all(ram_need(c, pool) == 2 * c.gpu_total + c.cpu_total for c in p.candidates)
+    missed = [r for r in p.rejected if r.kind == "memory"]
+    assert missed and all(ram_need(r.estimate, pool) > usable for r in missed)

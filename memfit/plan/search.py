@@ -65,6 +65,17 @@ class Plan:
         }
 
 
+def _memory(est: Any, hardware: Any) -> str:
+    if facts.is_cpu(hardware):
+        return f"{_gb(ram_need(est, hardware))} of RAM"
+    return f"{_gb(est.gpu_total)} per GPU"
+
+
+def ram_need(est: Any, hardware: Any) -> float:
+    """On the CPU device one RAM holds every process's "device" lines plus the process/offload lines."""
+    return facts.gpus_per_node(hardware) * est.gpu_total + est.cpu_total
+
+
 def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]]:
     """None if ``est`` fits (the estimator applies the margin), else (reason, bytes short, need/usable)."""
     if est.fits:
@@ -72,7 +83,7 @@ def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]
     reason = "; ".join(est.reasons) or "does not fit"
     usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware)) or 1.0
     if facts.is_cpu(hardware):  # one RAM holds the "device" lines and the process
-        need = est.gpu_total + est.cpu_total
+        need = ram_need(est, hardware)
         return reason, max(need - usable_gpu, 0.0), need / usable_gpu
     worst = [(est.gpu_total / usable_gpu, est.gpu_total - usable_gpu)]
     ram = facts.cpu_ram_bytes(hardware)
@@ -86,7 +97,7 @@ def short_reason(est: Any, hardware: Any) -> str:
     """'needs 207.2 GB per GPU (32.6 GB usable)' and/or the CPU RAM shortfall, in few words."""
     usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware))
     if facts.is_cpu(hardware):
-        return f"needs {_gb(est.gpu_total + est.cpu_total)} of RAM ({_gb(usable_gpu)} usable)"
+        return f"needs {_gb(ram_need(est, hardware))} of RAM ({_gb(usable_gpu)} usable)"
     parts = []
     if est.gpu_total > usable_gpu:
         parts.append(f"needs {_gb(est.gpu_total)} per GPU ({_gb(usable_gpu)} usable, "
@@ -192,7 +203,8 @@ def explain_plan(p: Plan) -> list[str]:
     if rec is not None:
         why.append(
             f"{rec.strategy.label()} is the fastest of the {len(p.candidates)} combinations that fit "
-            f"({n_tried} tried): {_sec(rec.step_seconds)} s/step using {_gb(rec.gpu_total)} of "
+            f"({n_tried} tried): {_sec(rec.step_seconds)} s/step using "
+            f"{_gb(ram_need(rec, p.hardware) if facts.is_cpu(p.hardware) else rec.gpu_total)} of "
             f"{_gb(gpu_cap)} {'of RAM' if facts.is_cpu(p.hardware) else 'per GPU'} with {p.margin:.0%} kept free."
         )
         seen = {_recipe(rec.strategy)}
@@ -203,7 +215,7 @@ def explain_plan(p: Plan) -> list[str]:
                 continue
             seen.add(_recipe(c.strategy))
             why.append(f"Runner-up {c.strategy.label()}: {_sec(c.step_seconds)} s/step "
-                       f"({_pct(c.step_seconds, rec.step_seconds)}), {_gb(c.gpu_total)} per GPU.")
+                       f"({_pct(c.step_seconds, rec.step_seconds)}), {_memory(c, p.hardware)}.")
         # per (method, checkpointing): the faster combination that came closest to fitting
         nearest: dict[tuple, Rejection] = {}
         for r in p.rejected:
@@ -249,7 +261,7 @@ def what_would_fit(p: Plan, close: Rejection) -> list[str]:
     if est is None:
         return hints
     if facts.is_cpu(p.hardware):
-        need = (est.gpu_total + est.cpu_total) / (1 - margin)
+        need = ram_need(est, p.hardware) / (1 - margin)
         return [f"It would fit in {_gb(need)} of RAM, or with a shorter --seq-len or a smaller model."]
     if p.search_args:
         for pool in bigger_pools(p.hardware):
