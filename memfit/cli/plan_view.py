@@ -19,7 +19,8 @@ COMPACT = dict(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0,
 KIND_TEXT = {"formula": "formula", "engine": "engine config", "overhead": "overhead (fixed/hidden)"}
 
 
-def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (decimal GB)") -> Table:
+def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (decimal GB)",
+                 unit: str = "GPU") -> Table:
     """Per-GPU breakdown, each line marked formula / engine / overhead, then the CPU RAM lines."""
     mem = d.get("memory", {})
     kinds = mem.get("gpu_line_kinds") or {}
@@ -36,7 +37,7 @@ def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (dec
             for sub, v in (mem.get("gpu_overhead_bytes") or {}).items():
                 if v:
                     t.add_row(f"  {sub}", f"[dim]{_gb(v)}[/dim]", "")
-    t.add_row("[bold]total per GPU[/bold]", f"[bold]{_gb(gpu.get('total'))}[/bold]",
+    t.add_row(f"[bold]total per {unit}[/bold]", f"[bold]{_gb(gpu.get('total'))}[/bold]",
               f"of {_gb(d.get('hardware', {}).get('gpu_memory_bytes'))}, usable "
               f"{_gb(mem.get('usable_gpu_bytes'))}" if mem.get("usable_gpu_bytes") else "")
     cpu = mem.get("cpu_bytes", {})
@@ -50,6 +51,12 @@ def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (dec
                   (f"peak while {phase}; " if phase else "")
                   + f"node has {_gb(d.get('hardware', {}).get('cpu_ram_bytes'))}")
     return t
+
+
+def _memory_table(d: dict, hardware: Any) -> Table:
+    if facts.is_cpu(hardware):  # the CPU device: every process's lines and the process lines share one RAM
+        return memory_table(d, "Memory per process and per node, all in the node's RAM (decimal GB)", "process")
+    return memory_table(d)
 
 
 def summary_table(d: dict, hardware: Any) -> Table:
@@ -105,7 +112,7 @@ def _show(v: Any) -> str:
 def show_estimate(result: Any, hardware: Any) -> None:
     d = result.to_dict()
     console.print(summary_table(d, hardware))
-    console.print(memory_table(d))
+    console.print(_memory_table(d, hardware))
     verdict = "[green]fits[/green]" if d["fits"] else "[red]does not fit[/red]"
     console.print(f"{verdict} (keeping {result.margin:.0%} free)")
     for r in d.get("reasons", []):
@@ -137,7 +144,7 @@ def show_plan(p: Any, *, top: int = 8, emitted: list = (), run: Optional[dict] =
     for line in p.why:
         console.print(f"  - {line}")
     if rec is not None:
-        console.print(memory_table(rec.to_dict()))
+        console.print(_memory_table(rec.to_dict(), p.hardware))
         console.print(candidates_table(p.candidates, top, p.hardware))
     if run:
         cost = f", {run['cost']:.2f} at the given GPU-hour price" if run.get("cost") is not None else ""
