@@ -71,6 +71,9 @@ def matrix(tmp_path_factory):
     cases = [{"name": "ddp-full", "set": FULL}]
     for key, sets in ENGINES.items():
         cases += [{"name": f"{key}-lora", "set": LORA + sets}, {"name": f"{key}-full", "set": FULL + sets}]
+    gc = ["strategy.gradient_checkpointing=true"]
+    cases += [{"name": "z3offp-lora", "set": LORA + gc + ["strategy.zero_stage=3", "strategy.offload=optimizer+params"]},
+              {"name": "sgo-lora", "set": LORA + gc + ["strategy.fsdp=shard_grad_op"]}]
     for key in ("z3", "fsdp"):  # sharded checkpoint after 2 steps, then resume to step 3
         ckpt = ["training.max_steps=2", "training.checkpoint_interval=2"]
         cases += [{"name": f"{key}-ckpt", "set": LORA + ENGINES[key] + ckpt},
@@ -130,6 +133,12 @@ def _tensors(folder):
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+@pytest.mark.parametrize("case", ["z3offp-lora", "sgo-lora"])
+def test_param_offload_shard_grad_op_and_checkpointing(matrix, case):
+    dist, ref, _ = matrix
+    assert dist[case]["losses"] == pytest.approx(ref["lora"]["losses"], rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.parametrize("engine", ["z3", "z3off", "fsdp"])

@@ -36,6 +36,13 @@ def test_engine_offload_combinations(strategy, needle):
     assert len(reasons) == 1 and needle in reasons[0]
 
 
+def test_fsdp_offload_needs_cuda():
+    run = _run({"fsdp": "full_shard", "offload": "optimizer+params"})
+    assert preflight.engine_reasons(run, cpu=False) == []
+    (msg,) = preflight.engine_reasons(run, cpu=True)
+    assert "pins host memory" in msg and "offload=none" in msg
+
+
 def test_qlora_sharded_needs_cuda():
     run = _run({"method": "qlora", "fsdp": "full_shard", "quant_storage": "bf16"})
     assert preflight.engine_reasons(run, cpu=False) == []

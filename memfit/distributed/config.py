@@ -122,7 +122,8 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
 
     full_shard reshards parameters after forward, shard_grad_op keeps them gathered until backward;
     offload moves parameters, gradients and optimizer state to CPU (FSDP2 ``CPUOffloadPolicy``);
-    QLoRA loads weights on one rank only (RAM-efficient loading) and saves sharded state.
+    rank 0 alone reads the weights and broadcasts them (RAM-efficient loading); QLoRA checkpoints are
+    sharded.
     """
     s = run.strategy
     if not s.fsdp:
@@ -132,7 +133,7 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
         "reshard_after_forward": s.fsdp == "full_shard",
         "cpu_offload": s.offload != "none",
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "cpu_ram_efficient_loading": s.method == "qlora",
+        "cpu_ram_efficient_loading": True,
         "state_dict_type": "SHARDED_STATE_DICT" if s.method == "qlora" else "FULL_STATE_DICT",
     }
 

@@ -98,6 +98,10 @@ def engine_reasons(run: RunSpec, *, cpu: bool) -> list[str]:
         if s.zero_stage and s.optimizer == "sgd":
             out.append("optimizer=sgd with DeepSpeed offload: ZeRO-Offload steps with its CPU AdamW; use "
                        "optimizer=adamw, or offload=none")
+    if cpu and s.fsdp and s.offload != "none":
+        out.append("FSDP offload on the CPU device: FSDP2's CPU offload pins host memory, which needs a CUDA "
+                   "GPU (and there is nothing to offload from); use offload=none, or zero_stage=3 with "
+                   "offload to exercise offloading on the CPU")
     if cpu and s.method == "qlora" and (s.zero_stage == 3 or s.fsdp):
         out.append(f"method=qlora with {s.engine} on the CPU: sharding bitsandbytes 4-bit weights needs CUDA "
                    "GPUs; on the CPU use method=lora, or qlora with zero_stage<=2")
