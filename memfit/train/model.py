@@ -191,7 +191,8 @@ def build_model(run, local_rank: int = 0):
     kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention, local_files_only=True)
     if s.method == "qlora":
         kwargs["quantization_config"] = _quantization_config(run, compute_dtype, notes)
-        if _on_cuda() and not run.strategy.fsdp:  # FSDP places (and RAM-efficiently loads) the shards
+        if _on_cuda() and not (run.strategy.fsdp or run.strategy.zero_stage == 3):
+            # FSDP / ZeRO-3 place the shards themselves (rank-0 loading / zero.Init); no device_map
             kwargs["device_map"] = {"": local_rank}
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.config.use_cache = False
