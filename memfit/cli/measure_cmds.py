@@ -118,48 +118,48 @@ def _strategy_keys(flags: dict[str, Any]) -> dict[str, Any]:
     return _fixed_keys(**flags)
 
 
-DEFAULT_MEMORY_CONSTANTS = ("activation_scale", "logits_bytes_16bit", "logits_bytes_fp32",
-                            "checkpoint_extra_layers")
-DEFAULT_TIME_CONSTANTS = ("utilization", "utilization_fp32", "utilization_cpu")
-
-
 def calibrate_cmd(
     runs: Path = typer.Option(..., "--runs", help="Folder of measurements (from `memfit measure --out`)."),
     out: Path = typer.Option(Path("calibrated.json"), "--out", help="Profile file to write."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Start from this profile (default: built-in)."),
     memory_constants: Optional[str] = typer.Option(None, "--memory-constants", help="Comma-separated "
-                                                   "constants fitted to the allocated peak (default: "
-                                                   + ",".join(DEFAULT_MEMORY_CONSTANTS) + ")."),
+                                                   "constants fitted to the allocated peak instead of the "
+                                                   "default per-component fits (logits_bytes_* to the logits, "
+                                                   "activation_scale, checkpoint_extra_layers to the "
+                                                   "activations)."),
     time_constants: Optional[str] = typer.Option(None, "--time-constants", help="Comma-separated constants "
-                                                 "fitted to step time (default: "
-                                                 + ",".join(DEFAULT_TIME_CONSTANTS) + "; 'none' to skip)."),
+                                                 "fitted to step time (default: utilization, utilization_fp32, "
+                                                 "utilization_cpu; 'none' to skip)."),
     json_: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Fit the estimator's free constants to saved measurements; write a profile for --profile."""
     from memfit.cli.output import print_json
     from memfit.estimate.constants import Profile
-    from memfit.measure.calibrate import calibrate, load_records, run_estimate_fn, save_profile
+    from memfit.measure.calibrate import (DEFAULT_PLAN, calibrate, load_records, run_estimate_fn, save_profile,
+                                          total_errors)
+    from memfit.measure.compare import summarize
 
-    def names(text: Optional[str], default: tuple[str, ...]) -> list[str]:
-        if text is None:
-            return list(default)
-        if text.strip().lower() == "none":
-            return []
-        return [t.strip() for t in text.split(",") if t.strip()]
+    def names(text: str) -> list[str]:
+        return [] if text.strip().lower() == "none" else [t.strip() for t in text.split(",") if t.strip()]
 
+    plan = [(t, list(f)) for t, f in DEFAULT_PLAN]
+    if memory_constants is not None:
+        plan = [("memory", names(memory_constants))] + [p for p in plan if p[0] == "time"]
+    if time_constants is not None:
+        plan = [p for p in plan if p[0] != "time"] + [("time", names(time_constants))]
     records = load_records(runs)
     base = Profile.load(profile) if profile is not None else Profile()
-    fitted, reports = calibrate(records, base, run_estimate_fn(),
-                                memory_fields=names(memory_constants, DEFAULT_MEMORY_CONSTANTS),
-                                time_fields=names(time_constants, DEFAULT_TIME_CONSTANTS))
+    fn = run_estimate_fn()
+    fitted, reports = calibrate(records, base, fn, plan=plan)
     path = save_profile(fitted, out)
+    before, after = summarize(total_errors(records, base, fn)), summarize(total_errors(records, fitted, fn))
     if json_:
         print_json({"profile": str(path), "records": len(records), "fits": reports,
-                    "calibrated": fitted.calibrated})
+                    "calibrated": fitted.calibrated, "total_error_before": before, "total_error_after": after})
     else:
         from memfit.cli.measure_view import show_calibration
 
-        show_calibration(reports, path, len(records))
+        show_calibration(reports, path, len(records), before, after)
 
 
 def register(app: typer.Typer) -> None:

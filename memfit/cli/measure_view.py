@@ -73,7 +73,8 @@ def show_sweep(records: list[dict[str, Any]]) -> None:
                       f"max {s['max_abs_pct']:.1f} % over {s['n']} configurations")
 
 
-def show_calibration(reports: list[dict[str, Any]], path: Path, n: int) -> None:
+def show_calibration(reports: list[dict[str, Any]], path: Path, n: int, before: Optional[dict] = None,
+                     after: Optional[dict] = None) -> None:
     t = Table(title=f"calibration from {n} measurements", title_justify="left")
     for col in ("target", "constant", "before", "after"):
         t.add_column(col, justify="left" if col in ("target", "constant") else "right")
@@ -82,8 +83,11 @@ def show_calibration(reports: list[dict[str, Any]], path: Path, n: int) -> None:
             t.add_row(rep["target"], name, f"{rep['before'][name]:.4g}", f"{value:.4g}")
     console.print(t)
     for rep in reports:
-        console.print(f"{rep['target']}: RMS error {rep['rms_error_pct_before']:.2f} % → "
+        console.print(f"{rep['target']} ({rep['n']} runs): RMS error {rep['rms_error_pct_before']:.2f} % → "
                       f"{rep['rms_error_pct_after']:.2f} % (max {rep['max_error_pct_after']:.2f} %)"
                       + (f"; not identifiable from these runs: {', '.join(rep['not_identifiable'])}"
                          if rep["not_identifiable"] else ""))
+    if before and after and before.get("n"):
+        console.print(f"allocated peak over the {before['n']} runs: median |error| {before['median_abs_pct']} % → "
+                      f"{after['median_abs_pct']} %, max {before['max_abs_pct']} % → {after['max_abs_pct']} %")
     console.print(f"wrote {path}  (use: memfit plan ... --profile {path})")
