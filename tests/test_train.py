@@ -147,6 +147,9 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
     assert [x[1] for x in full.losses[3:]] == pytest.approx([x[1] for x in resumed.losses], abs=1e-5)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in x]
+    assert steps == list(range(1, 9))  # what the crashed run logged after checkpoint-3 was dropped
 
 
 def test_killed_checkpoint_save_leaves_nothing_that_looks_complete(assets, tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ def _show(result, as_json: bool) -> None:
     if as_json:
         from memfit.cli.output import print_json
 
-        print_json(result.to_dict())
+        print_json(result.to_dict() if hasattr(result, "to_dict") else result)
     else:
         from memfit.cli.train_view import print_summary
 
@@ -121,7 +121,12 @@ def train_command(
     seq_len: int = typer.Option(512, "--seq-len", help="With --auto: sequence length to plan for."),
     micro_batch_size: int = typer.Option(1, "--micro-batch-size", help="With --auto: micro-batch to plan for."),
     methods: Optional[str] = typer.Option(None, "--methods", help="With --auto: e.g. lora,qlora."),
-    nproc: int = typer.Option(1, "--nproc", help="Processes on this node; >1 launches torchrun."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes on this node; >1 launches torchrun "
+                                        "(default: the run file's distributed.nproc, else 1)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: distributed.nodes)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank (multi-node)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 node address (multi-node)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port."),
     fallback: bool = typer.Option(False, "--fallback", help="On out-of-memory, retry with the next plan."),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -139,15 +144,28 @@ def train_command(
             raise ConfigError("missing RUN_FILE: `memfit train run.yaml` (or --auto --model DIR --data FILE)")
         run = load_run(run_file, overrides)
         run_path = run_file
-    if nproc > 1:
+    d = run.distributed
+    nproc, nodes = nproc or d.nproc, nodes or d.nodes
+    if (nproc > 1 or nodes > 1) and not fallback:
         if run_path is None:
             from memfit.spec.run import save_run
 
             run_path = save_run(run, Path(run.output_dir) / "run.yaml")
             overrides = []
         launch = _optional("memfit.distributed.launch", "launch", "multi-process training (--nproc)")
-        rc = launch(str(run_path), nproc=nproc, overrides=overrides, resume=resume) \
-            if _accepts(launch, "resume") else launch(str(run_path), nproc=nproc, overrides=overrides)
+        rc = launch(str(run_path), nproc=nproc, nodes=nodes,
+                    node_rank=d.node_rank if node_rank is None else node_rank,
+                    master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
+                    overrides=overrides, resume=resume)
+        if not as_json and rc == 0:
+            from memfit.cli.train_view import print_summary
+            from memfit.train.api import SUMMARY_FILE
+
+            summary = Path(run.output_dir).expanduser() / SUMMARY_FILE
+            if summary.is_file():
+                import json
+
+                print_summary(json.loads(summary.read_text()))
         raise typer.Exit(int(rc or 0))
     if fallback:
         fn = _optional("memfit.measure.fallback", "train_with_fallback", "--fallback")
@@ -155,15 +173,6 @@ def train_command(
     else:
         result = _run_training(run, resume=resume, as_json=as_json)
     _show(result, as_json)
-
-
-def _accepts(fn, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def demo_command(

@@ -97,6 +97,21 @@ def _write_json_atomic(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def trim_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop the lines an interrupted run logged after its checkpoint (they are redone)."""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= last_step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            continue
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
+
+
 def save_outputs(run, model, tokenizer, out: Path) -> Optional[Path]:
     """Adapter (lora/qlora), full weights (full) or the MEFT file, each written atomically."""
     from memfit.train.checkpoint import atomic_dir
@@ -167,6 +182,8 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
     if main:
         if not resume and metrics_path.exists():
             metrics_path.unlink()
+        elif ckpt is not None and metrics_path.exists():
+            trim_metrics(metrics_path, int(ckpt.name.rsplit("-", 1)[-1]))
         cbs.append(MetricsWriter(metrics_path))
     cbs.extend(callbacks)
     trainer = build_trainer(run, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)

@@ -88,7 +88,6 @@ class MetricsWriter(TrainerCallback):
         with open(self.path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
 
 
 class MeftTraffic(TrainerCallback):
