@@ -135,7 +135,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # PEFT keeps LoRA adapters in fp32 unless DeepSpeed casts the whole module to 16-bit
     adapter_fp32 = method in ("lora", "qlora") and family != "deepspeed" and prec != "fp32"
     if adapter_fp32:
-        w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", st.optimizer)[2]
+        w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", st.optimizer, "ddp")[2]
     half = 4.0 if prec == "fp32" else 2.0  # bytes of a value in the compute dtype
     e = 4.0 if prec == "fp32" else 2.0
     nums = M.numbers(model)
@@ -217,7 +217,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- engine buffers -------------------------------------------------------------------------
     h2 = float(model.hidden) ** 2
-    gathered = comm = 0.0
+    gathered = comm = step_temp = 0.0
     g_comm = g_b if family == "ddp" else min(g_b, half)  # FSDP reduces in the compute dtype
     if engine == "zero3":
         if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
@@ -231,20 +231,20 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             gathered = min(live, P) * weights_all / P
     elif engine == "sgo":
         comm = min(nums.layer_params, p_t) * g_comm
-    elif engine in ("zero1", "zero2"):
-        comm = (2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
-                + min(p.zero_allgather_bucket_elements, p_t) * w_b)
+    elif engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C below)
+        comm = 2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+        step_temp = min(p.zero_allgather_bucket_elements, p_t) * w_b
     elif n > 1:
         comm = p_t * g_b * p.ddp_bucket_copy
 
     # ---- what is live at the same time: the step's peak -----------------------------------------
-    # Each line above is that component's own peak. DeepSpeed keeps gradient partitions/buckets alive;
-    # DDP and FSDP (set_to_none) free .grad every step, so gradients build up only while backward frees
-    # activations. Phases: A = start of backward (all saved activations + logits); with checkpointing
+    # Each line above is that component's own peak. Gradients are freed every step (set_to_none; DeepSpeed
+    # drops its averaged partitions after the step, as measured with gloo on CPU), so they build up only
+    # while backward frees activations. Phases: A = start of backward (all saved activations + logits); with checkpointing
     # B1 = last layer recomputing (inputs + its working set + logits' grads); B2 = backward at the first
     # layer (its working set + nearly all gradients); C = the optimizer step (grads + temporaries).
     static = weights + optim + meft_buf + gathered + comm
-    g_keep = grads if family == "deepspeed" else 0.0
+    g_keep = 0.0
     g_free = grads - g_keep
     phase_a = g_keep + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
     phase = phase_a
@@ -255,7 +255,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     else:  # backward reaching the first layer: its saved activations + nearly all gradients
         phase = max(phase, g_keep + (act_layers + lora_int) / model.layers + g_free)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
-    phase = max(phase, grads + local_opt * p.optimizer_step_temp_bytes)
+    phase = max(phase, grads + local_opt * p.optimizer_step_temp_bytes + step_temp)
     lines_sum = static + grads + acts + logits + lora_int
     concurrency = static + phase - lines_sum
     formula = static + phase

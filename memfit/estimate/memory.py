@@ -22,7 +22,8 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tu
 
     - ``deepspeed`` (ZeRO 1–3; the ZeRO paper's convention): 16-bit params and grads, the optimizer
       holds the fp32 master + states: mixed Adam 2 + 2 + 12. DeepSpeed's bf16 mode keeps an fp32
-      master too, so pure ``bf16`` counts like mixed. fp32: 4 + 4 + states.
+      master too, so pure ``bf16`` counts like mixed. fp32: 4 + 4 + (4 master + states): DeepSpeed keeps
+      its flat fp32 partition apart from the module's parameters (measured on CPU with gloo).
     - ``ddp`` (torch autocast, as the HF Trainer runs it): fp32 params and grads + states; autocast's
       16-bit copy of every trainable weight is saved for backward (``compute copy`` = 2 B, counted
       under weights). Pure bf16: 2 + 2 + states in bf16 (Adam 4).
@@ -30,10 +31,10 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tu
       compute copy exists only while gathered (gathered_params / shard_grad_op's unsharded copy).
     """
     states = _OPT_STATES[optimizer]
+    if family == "deepspeed":  # a separate flat fp32 master partition, even when training in fp32
+        return (4.0, 4.0, 4.0 + states, 0.0) if precision == "fp32" else (2.0, 2.0, 4.0 + states, 0.0)
     if precision == "fp32":
         return 4.0, 4.0, states, 0.0
-    if family == "deepspeed":
-        return 2.0, 2.0, 4.0 + states, 0.0
     if precision == "bf16":
         return 2.0, 2.0, states / 2.0 if optimizer != "adamw8bit" else states, 0.0
     return 4.0, 4.0, states, 2.0
