@@ -71,6 +71,10 @@ def matrix(tmp_path_factory):
     cases = [{"name": "ddp-full", "set": FULL}]
     for key, sets in ENGINES.items():
         cases += [{"name": f"{key}-lora", "set": LORA + sets}, {"name": f"{key}-full", "set": FULL + sets}]
+    # FSDP / ZeRO-3 + QLoRA: 4-bit weights stored in the FSDP param dtype (fp32 here), no k-bit upcasts
+    qlora = ["method=qlora", "strategy.quant_storage=fp32"]
+    cases += [{"name": "fsdp-qlora", "set": qlora + ENGINES["fsdp"]},
+              {"name": "z3-qlora", "set": qlora + ENGINES["z3"]}]
     gc = ["strategy.gradient_checkpointing=true"]
     cases += [{"name": "z3offp-lora", "set": LORA + gc + ["strategy.zero_stage=3", "strategy.offload=optimizer+params"]},
               {"name": "sgo-lora", "set": LORA + gc + ["strategy.fsdp=shard_grad_op"]}]
@@ -80,7 +84,8 @@ def matrix(tmp_path_factory):
                   {"name": f"{key}-resume", "dir": f"{key}-ckpt", "set": LORA + ENGINES[key], "resume": True}]
     dist_args = write("dist", root / "out2", cases)
     ref_args = write("ref", root / "out1", [{"name": "lora", "set": LORA + ["strategy.micro_batch_size=2"]},
-                                            {"name": "full", "set": FULL + ["strategy.micro_batch_size=2"]}])
+                                            {"name": "full", "set": FULL + ["strategy.micro_batch_size=2"]},
+                                            {"name": "qlora", "set": ["method=qlora", "strategy.micro_batch_size=2"]}])
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
           "127.0.0.1", "--master-port", str(_free_port()), "-m", "memfit.distributed.matrix", *dist_args], root)
     _run([sys.executable, "-m", "memfit.distributed.matrix", *ref_args], root)
@@ -141,12 +146,19 @@ def test_param_offload_shard_grad_op_and_checkpointing(matrix, case):
     assert dist[case]["losses"] == pytest.approx(ref["lora"]["losses"], rel=1e-4, abs=1e-4)
 
 
-@pytest.mark.parametrize("engine", ["z3", "z3off", "fsdp"])
-def test_saved_adapter_is_gathered_and_matches(matrix, engine):
+@pytest.mark.parametrize("engine", ["fsdp", "z3"])
+def test_sharded_qlora_matches_one_process(matrix, engine):
+    dist, ref, _ = matrix
+    assert dist[f"{engine}-qlora"]["losses"] == pytest.approx(ref["qlora"]["losses"], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("engine, method", [("z3", "lora"), ("z3off", "lora"), ("fsdp", "lora"),
+                                            ("fsdp", "qlora"), ("z3", "qlora")])
+def test_saved_adapter_is_gathered_and_matches(matrix, engine, method):
     import numpy as np
 
     dist, ref, _ = matrix
-    got, want = _tensors(dist[f"{engine}-lora"]["saved_to"]), _tensors(ref["lora"]["saved_to"])
+    got, want = _tensors(dist[f"{engine}-{method}"]["saved_to"]), _tensors(ref[method]["saved_to"])
     assert sorted(got) == sorted(want) and any("lora_B" in k for k in got)
     for k in want:
         assert got[k].shape == want[k].shape, k  # not ZeRO-3's empty local shards

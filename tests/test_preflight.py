@@ -43,13 +43,6 @@ def test_fsdp_offload_needs_cuda():
     assert "pins host memory" in msg and "offload=none" in msg
 
 
-def test_qlora_sharded_needs_cuda():
-    run = _run({"method": "qlora", "fsdp": "full_shard", "quant_storage": "bf16"})
-    assert preflight.engine_reasons(run, cpu=False) == []
-    (msg,) = preflight.engine_reasons(run, cpu=True)
-    assert "CUDA" in msg and "method=lora" in msg
-
-
 def test_missing_deepspeed(monkeypatch):
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec",

@@ -177,14 +177,14 @@ def prepare_process(run: RunSpec) -> None:
     _STATE["prepared"] = False
     if not is_sharded(run):
         return
+    if run.strategy.fsdp:  # before the process group: accelerate picks "cuda:nccl,cpu:gloo" from it
+        _fsdp_env(run)
     _join_process_group(run)
     if run.strategy.zero_stage == 3:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         # transformers holds a weak reference: keep it alive for the whole run.
         _STATE["hf_ds_config"] = HfDeepSpeedConfig(engine_deepspeed_config(run))
-    if run.strategy.fsdp:
-        _fsdp_env(run)
     _STATE["prepared"] = True
     if not _STATE.get("atexit"):
         atexit.register(shutdown)
@@ -226,7 +226,10 @@ def write_engine_configs(run: RunSpec, output_dir: Path) -> list[Path]:
     acc = cfgs.accelerate_config(run, device=device_kind(),
                                  deepspeed_config_file=str(ds_file.resolve()) if ds_file else None)
     acc_file = out / cfgs.ACCELERATE_FILE
-    _write_atomic(yaml.safe_dump(acc, sort_keys=False), acc_file)
+    header = ("# Written by memfit for this run. Rerun on GPU machines with:\n"
+              f"#   accelerate launch --config_file {acc_file.name} -m memfit.train run.yaml\n"
+              "# (on the CPU, accelerate does not launch DeepSpeed: use `memfit launch run.yaml`)\n")
+    _write_atomic(header + yaml.safe_dump(acc, sort_keys=False), acc_file)
     written.append(acc_file)
     return written
 

@@ -102,9 +102,6 @@ def engine_reasons(run: RunSpec, *, cpu: bool) -> list[str]:
         out.append("FSDP offload on the CPU device: FSDP2's CPU offload pins host memory, which needs a CUDA "
                    "GPU (and there is nothing to offload from); use offload=none, or zero_stage=3 with "
                    "offload to exercise offloading on the CPU")
-    if cpu and s.method == "qlora" and (s.zero_stage == 3 or s.fsdp):
-        out.append(f"method=qlora with {s.engine} on the CPU: sharding bitsandbytes 4-bit weights needs CUDA "
-                   "GPUs; on the CPU use method=lora, or qlora with zero_stage<=2")
     return out
 
 
