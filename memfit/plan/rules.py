@@ -52,9 +52,7 @@ def _qlora(model: Any, hw: Any, s: Strategy) -> str | None:
     if s.method != "qlora":
         return None
     sharded = s.zero_stage == 3 or s.fsdp in ("full_shard", "shard_grad_op")
-    if sharded and facts.is_cpu(hw):
-        return (f"method=qlora with {s.engine} on the CPU: sharding bitsandbytes 4-bit weights needs CUDA "
-                "GPUs; on the CPU use method=lora, or qlora with zero_stage<=2")
+    # (QLoRA under ZeRO-3 / FSDP2 also runs on the CPU device with gloo: tests/test_distributed_train.py)
     want = PARAM_DTYPE[s.precision]
     if sharded and s.quant_storage != want:
         engine = "ZeRO-3" if s.zero_stage == 3 else f"FSDP {s.fsdp}"
