@@ -71,6 +71,12 @@ def measure_cmd(
                                   rich_help_panel=R),
     out: Optional[Path] = typer.Option(None, "--out", help="Save each measurement as JSON here "
                                        "(input for `memfit calibrate --runs`).", rich_help_panel=O),
+    traced: bool = typer.Option(False, "--traced", help="Also trace the step under FakeTensorMode (no "
+                                "compute) and compare that estimate with the same measured peak.",
+                                rich_help_panel=R),
+    trace_only: bool = typer.Option(False, "--trace-only", help="Only the traced estimate (seconds, works for "
+                                    "presets and big models): traced vs predicted, no training.",
+                                    rich_help_panel=R),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Predict with calibrated constants."),
     json_: bool = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O),
     **strategy_flags: Any,
@@ -91,10 +97,13 @@ def measure_cmd(
         prof = Profile.load(profile)
     records = []
     status = err_console if json_ else console
+    if trace_only:
+        _trace_only(runs, prof, json_, status)
+        return
     for i, run in enumerate(runs):
         with status.status(f"measuring {i + 1}/{len(runs)}: {run.strategy.label()} seq {run.strategy.seq_len} "
                            f"micro-batch {run.strategy.micro_batch_size} ({warmup} warm-up + {steps} steps)"):
-            rec = measure(run, warmup=warmup, steps=steps, profile=prof, timeout=timeout)
+            rec = measure(run, warmup=warmup, steps=steps, profile=prof, timeout=timeout, traced=traced)
         if out is not None:
             rec["saved_to"] = str(save_record(rec, out, _label(run, i)))
         records.append(rec)
@@ -108,6 +117,29 @@ def measure_cmd(
         from memfit.cli.measure_view import show_sweep
 
         show_sweep(records)
+
+
+def _trace_only(runs: list[Any], prof: Any, json_: bool, status: Any) -> None:
+    from memfit.cli.output import print_json
+    from memfit.measure.compare import error_pct, predicted_memory
+    from memfit.measure.runner import predict, run_traced_process
+
+    out = []
+    for i, run in enumerate(runs):
+        with status.status(f"tracing {i + 1}/{len(runs)}: {run.strategy.label()} seq {run.strategy.seq_len} "
+                           f"micro-batch {run.strategy.micro_batch_size}"):
+            trace = run_traced_process(run)
+        predicted = predict(run, prof)
+        total = predicted_memory(predicted or {}).get("total")
+        out.append({"label": run.strategy.label(), "seq_len": run.strategy.seq_len,
+                    "micro_batch_size": run.strategy.micro_batch_size, "predicted": predicted, "traced": trace,
+                    "error_pct": {"total_vs_traced": error_pct(total, trace["peak_bytes"])}})
+    if json_:
+        print_json(out[0] if len(out) == 1 else out)
+    else:
+        from memfit.cli.measure_view import show_traces
+
+        show_traces(out)
 
 
 def _strategy_keys(flags: dict[str, Any]) -> dict[str, Any]:

@@ -91,3 +91,19 @@ def show_calibration(reports: list[dict[str, Any]], path: Path, n: int, before: 
         console.print(f"allocated peak over the {before['n']} runs: median |error| {before['median_abs_pct']} % → "
                       f"{after['median_abs_pct']} %, max {before['max_abs_pct']} % → {after['max_abs_pct']} %")
     console.print(f"wrote {path}  (use: memfit plan ... --profile {path})")
+
+
+def show_traces(items: list[dict[str, Any]]) -> None:
+    from memfit.measure.compare import predicted_memory
+
+    t = Table(title="traced step (FakeTensorMode, no compute) vs the analytical estimate", title_justify="left")
+    for col in ("configuration", "seq", "mb", "traced peak (allocated)", "predicted", "predicted vs traced"):
+        t.add_column(col, justify="left" if col == "configuration" else "right", overflow="fold")
+    for it in items:
+        total = predicted_memory(it.get("predicted") or {}).get("total")
+        t.add_row(it["label"], str(it["seq_len"]), str(it["micro_batch_size"]),
+                  _fmt(it["traced"]["peak_bytes"], "bytes"), _fmt(total, "bytes"),
+                  _err(it["error_pct"]["total_vs_traced"]))
+    console.print(t)
+    console.print("[dim]traced = live tensor storages of one real training step of this architecture run on "
+                  "fake tensors (CPU kernels); model states included[/dim]")

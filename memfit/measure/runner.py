@@ -192,6 +192,27 @@ def _run_forked(spec_path: Path, log: Path, timeout: float) -> int:
     return _SERVER.run(spec_path, log, timeout)
 
 
+def run_traced_process(run: Any, *, timeout: float = 900) -> dict[str, Any]:
+    """The FakeTensorMode trace of one step of ``run`` (memfit.measure.trace) in a fresh process."""
+    work = Path(tempfile.mkdtemp(prefix="memfit-trace-"))
+    try:
+        run_dict = run.model_dump(mode="json")
+        run_dict["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps({"mode": "trace", "run": run_dict, "out": str(work / "trace.json")}))
+        log = work / "worker.log"
+        code = _run_forked(spec_path, log, timeout)
+        out = work / "trace.json"
+        if code != 0 or not out.is_file():
+            raise MemfitError(f"traced estimate of {run.strategy.label()} failed: "
+                              f"{_root_cause(log.read_text(errors='replace'))}")
+        return json.loads(out.read_text())
+    except (subprocess.TimeoutExpired, TimeoutError):
+        raise MemfitError(f"traced estimate of {run.strategy.label()} took over {timeout:.0f} s") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
     """The estimator's ``Estimate.to_dict()`` for ``run``, or None while no estimator is installed."""
     try:
@@ -206,15 +227,25 @@ def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
 
 
 def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
-            measured: Optional[dict[str, Any]] = None, **kw: Any) -> dict[str, Any]:
-    """``{"run", "predicted", "measured", "error_pct", "rows"}`` for one configuration."""
+            measured: Optional[dict[str, Any]] = None, traced: bool = False, **kw: Any) -> dict[str, Any]:
+    """``{"run", "predicted", "measured", "error_pct", "rows"}`` for one configuration (and
+    ``"traced"`` with ``traced=True``: the FakeTensorMode estimate, compared with the same peak)."""
     predicted = predict(run, profile)
     if measured is None:
         measured = run_measured_process(run, warmup=warmup, steps=steps, **kw)
     cmp = compare(predicted or {}, measured)
+    trace = None
+    if traced:
+        from memfit.measure.compare import error_pct
+
+        trace = run_traced_process(run, timeout=kw.get("timeout", 900))
+        cmp["error_pct"]["traced_total"] = error_pct(trace["peak_bytes"], measured["peak_allocated_bytes"])
+        cmp["rows"].insert(len(cmp["rows"]) - 1, {
+            "component": "total (traced step)", "metric": "allocated", "predicted": trace["peak_bytes"],
+            "measured": measured["peak_allocated_bytes"], "error_pct": cmp["error_pct"]["traced_total"]})
     run_dict = run.model_dump(mode="json")
     run_dict["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
-    return {"label": run.strategy.label(), "run": run_dict, "predicted": predicted,
+    return {"label": run.strategy.label(), "run": run_dict, "predicted": predicted, "traced": trace,
             "measured": measured, "error_pct": cmp["error_pct"], "rows": cmp["rows"],
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

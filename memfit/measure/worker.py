@@ -72,6 +72,14 @@ def main(argv: list[str]) -> int:
     spec_path = Path(argv[0])
     spec = json.loads(spec_path.read_text())
     workdir = spec_path.parent
+    if spec.get("mode") == "trace":  # an estimate from a traced step, no training
+        from memfit.measure.callback import write_json_atomic
+        from memfit.measure.trace import traced_step
+        from memfit.spec.run import run_from_dict
+
+        run = run_from_dict(spec["run"], source="trace spec")
+        write_json_atomic(traced_step(run.model, run.strategy), Path(spec["out"].replace("{rank}", "0")))
+        return 0
     run = prepare_run(spec, workdir)
 
     import torch
