@@ -7,7 +7,8 @@
 Two tiny model shapes built here with random weights (no hub): a Llama-style model (multi-head
 attention, untied output layer) and a Qwen2-style model (grouped-query attention with 2 KV heads,
 q/k/v biases). Every configuration runs in a fresh process (memfit.measure.runner): one warm-up step,
-then one profiled step. Prints predicted vs measured allocator-level peak with median and max error,
+then one profiled step. Prints predicted vs measured allocator-level peak with median and max error (and the FakeTensorMode
+traced estimate of the same step beside it),
 the per-component errors, then a calibration check: constants fitted on the Llama-style runs only,
 errors reported on the Qwen2-style runs (shapes the constants were not fitted to).
 Measurements are saved as JSON under --out (input for `memfit calibrate --runs`).
@@ -112,6 +113,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--distributed", action="store_true", help="add 2-process FSDP / ZeRO-2 cells")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per measured process")
+    ap.add_argument("--no-trace", action="store_true", help="skip the FakeTensorMode traced estimate")
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out "
                     "(no new runs): to check an estimator change against the same measurements")
     args = ap.parse_args()
@@ -124,7 +126,8 @@ def main() -> int:
     records = []
     t0 = time.time()
     print(f"{'#':>2} {'model':6} {'method':6} {'gc':3} {'attn':5} {'seq':>5} {'mb':>2} {'np':>2} "
-          f"{'pred MB':>8} {'alloc MB':>8} {'err %':>6} {'RSS MB':>8} {'step s':>7}", flush=True)
+          f"{'pred MB':>8} {'alloc MB':>8} {'err %':>6} {'trace MB':>8} {'err %':>6} {'RSS MB':>8} {'step s':>7}",
+          flush=True)
     for i, cell in enumerate(cells):
         run = make_run(cell, models)
         saved = args.out / "runs" / f"{i:02d}-{cell['model']}.json"
@@ -132,9 +135,17 @@ def main() -> int:
             if args.reuse:
                 if not saved.is_file():
                     continue
-                rec = measure(run, measured=json.loads(saved.read_text())["measured"])
+                old = json.loads(saved.read_text())
+                rec = measure(run, measured=old["measured"])
+                if old.get("traced"):
+                    from memfit.measure.compare import error_pct
+
+                    rec["traced"] = old["traced"]
+                    rec["error_pct"]["traced_total"] = error_pct(old["traced"]["peak_bytes"],
+                                                                 old["measured"]["peak_allocated_bytes"])
             else:
-                rec = measure(run, warmup=1, steps=1, threads=args.threads)
+                rec = measure(run, warmup=1, steps=1, threads=args.threads,
+                              traced=not args.no_trace and cell.get("nproc", 1) == 1)
         except Exception as err:  # keep going: one failed cell should not lose the grid
             print(f"{i:2d} {cell['model']:6} {run.strategy.label()}: FAILED {err}", flush=True)
             continue
@@ -147,11 +158,16 @@ def main() -> int:
         print(f"{i:2d} {cell['model']:6} {cell['method']:6} {'on' if cell['gradient_checkpointing'] else 'off':3} "
               f"{cell['attention']:5} {cell['seq_len']:5d} {cell['micro_batch_size']:2d} {cell.get('nproc', 1):2d} "
               f"{fmt_mb(pred)} {fmt_mb(m['peak_allocated_bytes'])} {fmt_pct(rec['error_pct'].get('total'))} "
+              f"{fmt_mb((rec.get('traced') or {}).get('peak_bytes'))} {fmt_pct(rec['error_pct'].get('traced_total'))} "
               f"{fmt_mb(m['peak_rss_bytes'])} {m['step_seconds']:7.3f}", flush=True)
     print(f"\n{len(records)} configurations in {time.time() - t0:.0f} s")
     s = summarize([r["error_pct"].get("total") for r in records])
     print(f"allocated peak, |error|: median {s['median_abs_pct']} %, max {s['max_abs_pct']} % (n={s['n']}); "
           "target median <= 5 %, max <= 15 %")
+    t = summarize([r["error_pct"].get("traced_total") for r in records])
+    if t["n"]:
+        print(f"traced step (FakeTensorMode), |error|: median {t['median_abs_pct']} %, max {t['max_abs_pct']} % "
+              f"(n={t['n']})")
     print("per component (median error %, signed, over configurations where both sides are non-zero):")
     for comp in ("weights", "gradients", "optimizer", "activations", "logits", "overhead", "step_seconds", "rss"):
         vals = [r["error_pct"].get(comp) for r in records if r["error_pct"].get(comp) is not None]
@@ -159,7 +175,7 @@ def main() -> int:
             print(f"  {comp:12s} median {statistics.median(vals):+7.1f}  min {min(vals):+7.1f}  "
                   f"max {max(vals):+7.1f}  (n={len(vals)})")
     calibration_check(records)
-    (args.out / "summary.json").write_text(json.dumps({"summary": s, "n": len(records)}, indent=2))
+    (args.out / "summary.json").write_text(json.dumps({"summary": s, "traced": t, "n": len(records)}, indent=2))
     return 0
 
 
