@@ -59,6 +59,7 @@ class Profile:
     zero3_prefetch_per_h2: float = 0.9  # stage3_prefetch_bucket_size = 0.9·h² elements (HF 'auto')
     gathered_layers: float = 2.0  # FSDP full_shard: wrapped decoder layers gathered at once (current + prefetched)
     zero3_max_live_parameters: float = 1e9  # DeepSpeed stage3_max_live_parameters (default) caps gathered elements
+    zero3_max_reuse_distance: float = 1e9  # DeepSpeed stage3_max_reuse_distance (default): params reused within it stay gathered (CPU gloo run)
     # ---- frozen weights -----------------------------------------------------------------------------
     nf4_bytes_per_param: float = 0.5  # 4-bit NF4 codes
     nf4_absmax_bytes: float = 0.0625  # one fp32 absmax per 64-value block

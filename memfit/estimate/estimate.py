@@ -224,8 +224,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
             comm = min(nums.layer_params, p_t) * g_comm  # one layer's unsharded grads before reduce-scatter
             gathered = min(live, P) * compute_all / P
-        else:  # DeepSpeed gathers module by module: the current one + the prefetch bucket, capped by max_live
-            live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters),
+        else:  # DeepSpeed gathers module by module (current + prefetch bucket) and does not release what is
+            # reused within stage3_max_reuse_distance: at the forward/backward turn that much stays gathered
+            live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
+                           p.zero3_max_reuse_distance),
                        max(p.zero3_max_live_parameters, nums.largest_linear))
             comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
             gathered = min(live, P) * weights_all / P
