@@ -35,7 +35,8 @@ def test_catalog_covers_issue():
     assert CATALOG["A100-80GB"].peak_flops == 312e12
 
 
-@pytest.mark.parametrize("text", ["8xFOO", "0xA100-80GB", "-1xV100-32GB", "A100", "8x", "3x0xT4-16GB"])
+@pytest.mark.parametrize("text", ["8xFOO", "0xA100", "0xA100-80GB", "-1xV100", "-1xV100-32GB", "A100", "8x",
+                                  "3x0xT4-16GB"])
 def test_bad_strings(text):
     with pytest.raises(MemfitError) as err:
         parse_hardware(text)

@@ -130,7 +130,8 @@ def find_gpu(name: str) -> GpuSpec:
     if key in ("CPU", "LOCALCPU"):
         return cpu_device()
     raise ConfigError(
-        f"unknown GPU {name!r}; catalog: {', '.join(CATALOG)} (write e.g. 8xV100-32GB or 2x8xA100-80GB)"
+        f"unknown GPU {name!r}; catalog: {', '.join(CATALOG)}, CPU (write e.g. 8xV100-32GB, 2x8xA100-80GB, "
+        "or 'local' to detect this machine)"
     )
 
 
