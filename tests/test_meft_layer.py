@@ -179,3 +179,16 @@ def test_config_errors_name_the_field():
         add_meft(Toy(), MeftConfig(neurons=8, top_k=2, target="nope"))
     cfg = MeftConfig(neurons=16384, top_k=64)
     assert (cfg.num_experts, cfg.expert_size, cfg.probes, cfg.buffer_rows) == (128, 128, 8, 4096)
+
+
+def test_device_memory_is_bounded_by_the_buffer_not_by_neurons():
+    from memfit.meft import meft_state
+
+    sizes = []
+    for neurons in (64, 1024):
+        model, _ = toy(neurons=neurons, top_k=4, experts=1, buffer_size=16)
+        run_meft(model, torch.randn(2, 8, D), torch.ones(2, 8, D))
+        state = meft_state(model)
+        sizes.append((state["device_bytes"], state["cpu_bytes"]))
+    assert sizes[0][0] == sizes[1][0] == 2 * 16 * D * 4  # two fixed fp32 buffers of 16 rows
+    assert sizes[1][1] > 10 * sizes[0][1]  # the CPU store grows with neurons instead
