@@ -6,7 +6,8 @@
 """
 
 from memfit.estimate.constants import DEFAULT_PROFILE, Profile
-from memfit.estimate.estimate import Estimate, estimate, meft_traffic_bytes
+from memfit.estimate.estimate import estimate, meft_traffic_bytes
+from memfit.estimate.result import Estimate
 from memfit.estimate.memory import state_bytes
 
 __all__ = ["Estimate", "estimate", "meft_traffic_bytes", "Profile", "DEFAULT_PROFILE", "state_bytes"]

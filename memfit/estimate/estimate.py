@@ -2,94 +2,25 @@
 
 ``Estimate.to_dict()`` is the ``memfit estimate --json`` contract (see docs/estimator.md). GPU lines:
 formula lines (weights, gradients, optimizer, activations, logits, lora_intermediates, meft_buffers),
-engine lines derived from the engine's configuration (gathered_params, comm_buffers) and one
-``overhead`` line (CUDA context + NCCL buffers + allocator fragmentation, itemised in
+engine lines derived from the engine's configuration (gathered_params, comm_buffers), the
+``peak_concurrency`` adjustment (what is not live at the same time) and one ``overhead`` line (CUDA context + NCCL buffers + allocator fragmentation, itemised in
 ``memory.gpu_overhead_bytes``). The numeric lines of ``gpu_bytes`` other than ``total`` sum to ``total``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from memfit.estimate import memory as M
 from memfit.estimate import timing as T
 from memfit.estimate.constants import DEFAULT_PROFILE, Profile
+from memfit.estimate.result import Estimate
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec, lora_target_reason
 from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
 
-GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers")
-GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
-# peak_concurrency: the (usually negative) adjustment from the sum of the component peaks to the step's
-# peak, because gradients, activations, logits and optimizer temporaries are not all live at once.
-GPU_OVERHEAD_LINES = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
 _ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                 "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
-
-
-class Estimate:
-    """The estimate of one (model, hardware, strategy); ``to_dict()`` gives the JSON contract."""
-
-    __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
-                 "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
-                 "margin", "usable_gpu_bytes")
-
-    def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
-                 reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes) -> None:
-        self.model, self.hardware, self.strategy = model, hardware, strategy
-        self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
-        self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
-        self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
-        self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
-
-    @property
-    def gpu_total(self) -> float:
-        return self.gpu["total"]
-
-    @property
-    def cpu_total(self) -> float:
-        return self.cpu["total"]
-
-    @property
-    def step_seconds(self) -> float:
-        return self.time["step_seconds"]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.time["tokens_per_second"]
-
-    def __repr__(self) -> str:
-        return (f"Estimate({self.model.name}, {self.hardware.describe()}, {self.strategy.label()}, "
-                f"gpu={self.gpu_total / 1e9:.2f}GB, step={self.step_seconds:.3f}s, fits={self.fits})")
-
-    def to_dict(self) -> dict[str, Any]:
-        hw = self.hardware
-        strategy = self.strategy.model_dump(mode="json")
-        strategy["lora_targets"] = list(self.strategy.lora_targets)
-        return {
-            "model": {"name": self.model.name, "parameters": self.model.parameters,
-                      "trainable_parameters": int(self.trainable_parameters)},
-            "hardware": {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
-                         "gpu_memory_bytes": int(hw.gpu.memory_bytes), "cpu_ram_bytes": int(hw.cpu_ram_bytes)},
-            "strategy": strategy,
-            "memory": {
-                "gpu_bytes": {k: int(round(v)) for k, v in self.gpu.items()},
-                "gpu_overhead_bytes": {k: int(round(v)) for k, v in self.gpu_overhead.items()},
-                "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
-                                   **{k: "engine" for k in GPU_ENGINE_LINES}, "peak_concurrency": "formula",
-                                   "overhead": "overhead"},
-                "gpu_allocated_bytes": int(round(self.gpu["total"] - self.gpu["overhead"])),
-                "usable_gpu_bytes": int(self.usable_gpu_bytes),
-                "margin": self.margin,
-                "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
-                "cpu_peak_phase": self.cpu_phase,
-            },
-            "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)"},
-            "traffic": {k: int(round(v)) for k, v in self.traffic.items()},
-            "floors": {"memory_bytes": int(round(self.floor_memory)), "step_seconds": self.floor_seconds},
-            "fits": self.fits,
-            "reasons": list(self.reasons),
-        }
 
 
 def _targets(model: ModelSpec, strategy: Strategy):
@@ -136,8 +67,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     adapter_fp32 = method in ("lora", "qlora") and family != "deepspeed" and prec != "fp32"
     if adapter_fp32:
         w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", st.optimizer, "ddp")[2]
-    half = 4.0 if prec == "fp32" else 2.0  # bytes of a value in the compute dtype
-    e = 4.0 if prec == "fp32" else 2.0
+    e = half = 4.0 if prec == "fp32" else 2.0  # bytes of a value in the compute dtype
     nums = M.numbers(model)
     P = float(model.parameters)
     reasons: list[str] = []
@@ -145,7 +75,6 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is trained, what is frozen, and at what storage --------------------------------------
     targets = ()
     adapter_params = 0.0
-    meft_router = 0.0
     if method == "full":
         p_t, frozen_bytes = P, 0.0
     elif method in ("lora", "qlora"):
@@ -162,12 +91,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             other_b = 4.0 if (upcast or prec == "fp32") else 2.0
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
         else:
-            frozen_bytes = P * (4.0 if prec == "fp32" else 2.0)
+            frozen_bytes = P * half
     else:  # meft: adapter on CPU, router (h × experts per layer) trained on the GPU
         experts = M.meft_experts(st.meft_neurons, st.meft_experts)
-        meft_router = float(model.layers * model.hidden * experts)
-        p_t = meft_router
-        frozen_bytes = P * (4.0 if prec == "fp32" else 2.0)
+        p_t = float(model.layers * model.hidden * experts)
+        frozen_bytes = P * half
     trainable_total = p_t + (2.0 * model.layers * st.meft_neurons * model.hidden if method == "meft" else 0.0)
 
     sharded_w = engine == "zero3"
@@ -299,8 +227,6 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if method == "meft":
         adapter_fpt = 12.0 * model.hidden * rows * model.layers / max(tokens_micro, 1.0)
     dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", adapter_params, gc, adapter_fpt)
-    if method == "meft":
-        adapter += 0.0
     slow_dense = p.qlora_dequant_slowdown if method == "qlora" else 1.0
     slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
     compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff

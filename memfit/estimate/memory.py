@@ -43,29 +43,23 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tu
 class ModelNumbers:
     """Per-model constants precomputed once (the planner calls estimate() thousands of times)."""
 
-    __slots__ = ("model", "tok_fixed", "tok_mlp", "q_kv_sdpa", "q_kv_eager", "attn_out", "norm_rms_extra",
-                 "n_norms", "final_norm", "heads", "linear_params", "other_params", "layer_params",
-                 "largest_linear", "dropout_mask", "_lora")
+    __slots__ = ("model", "tok_mlp", "q_kv_sdpa", "q_kv_eager", "attn_out", "n_norms", "heads",
+                 "linear_params", "other_params", "layer_params", "largest_linear", "dropout_mask", "_lora")
 
     def __init__(self, m: ModelSpec) -> None:
         self.model = m
-        h = m.hidden
-        # elements (multiply by e) saved per token per layer, apart from norms:
+        # values saved per token per layer (multiply by e), apart from norms:
         self.q_kv_sdpa = m.q_dim + 2 * m.kv_dim  # q, k after RoPE and v, as the attention kernel saves them
         self.q_kv_eager = 3 * m.q_dim  # eager attention expands GQA k/v to all heads (repeat_kv) before matmul
         self.attn_out = 2 * m.q_dim  # kernel output + the contiguous copy o_proj saves
         self.tok_mlp = (4 if m.mlp == "swiglu" else 2) * m.intermediate  # swiglu: gate, act(gate), up, product
         self.n_norms = m.norms_per_layer
-        # RMSNorm (HF) upcasts to fp32 and saves that (4 B) plus its output (e); LayerNorm saves input+output (2e)
-        self.norm_rms_extra = m.norm == "rmsnorm"
-        self.final_norm = 1
-        self.dropout_mask = 2 * h if m.hidden_dropout > 0 else 0
+        self.dropout_mask = 2 * m.hidden if m.hidden_dropout > 0 else 0
         self.heads = m.heads
         self.linear_params = m.linear_layer_parameters
         self.other_params = m.parameters - self.linear_params
         self.layer_params = m.layer_parameters
         self.largest_linear = max(lin.in_features * lin.out_features for lin in m.linears)
-        self.tok_fixed = h
         self._lora: dict = {}
 
     def lora_sums(self, targets) -> tuple[int, int]:

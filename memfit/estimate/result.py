@@ -1,0 +1,77 @@
+"""Estimate: the result of one estimate, and its ``to_dict()`` (the ``memfit estimate --json`` contract)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers")
+GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
+# "peak_concurrency" (kind formula): the (usually negative) adjustment from the sum of the component peaks
+# to the step's peak, because gradients, activations, logits and optimizer temporaries are not all live
+# at once.
+GPU_OVERHEAD_LINES = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
+
+
+class Estimate:
+    """The estimate of one (model, hardware, strategy); ``to_dict()`` gives the JSON contract."""
+
+    __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
+                 "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
+                 "margin", "usable_gpu_bytes")
+
+    def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
+                 reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes) -> None:
+        self.model, self.hardware, self.strategy = model, hardware, strategy
+        self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
+        self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
+        self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
+        self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
+
+    @property
+    def gpu_total(self) -> float:
+        return self.gpu["total"]
+
+    @property
+    def cpu_total(self) -> float:
+        return self.cpu["total"]
+
+    @property
+    def step_seconds(self) -> float:
+        return self.time["step_seconds"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.time["tokens_per_second"]
+
+    def __repr__(self) -> str:
+        return (f"Estimate({self.model.name}, {self.hardware.describe()}, {self.strategy.label()}, "
+                f"gpu={self.gpu_total / 1e9:.2f}GB, step={self.step_seconds:.3f}s, fits={self.fits})")
+
+    def to_dict(self) -> dict[str, Any]:
+        hw = self.hardware
+        strategy = self.strategy.model_dump(mode="json")
+        strategy["lora_targets"] = list(self.strategy.lora_targets)
+        return {
+            "model": {"name": self.model.name, "parameters": self.model.parameters,
+                      "trainable_parameters": int(self.trainable_parameters)},
+            "hardware": {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes,
+                         "gpu_memory_bytes": int(hw.gpu.memory_bytes), "cpu_ram_bytes": int(hw.cpu_ram_bytes)},
+            "strategy": strategy,
+            "memory": {
+                "gpu_bytes": {k: int(round(v)) for k, v in self.gpu.items()},
+                "gpu_overhead_bytes": {k: int(round(v)) for k, v in self.gpu_overhead.items()},
+                "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
+                                   **{k: "engine" for k in GPU_ENGINE_LINES}, "peak_concurrency": "formula",
+                                   "overhead": "overhead"},
+                "gpu_allocated_bytes": int(round(self.gpu["total"] - self.gpu["overhead"])),
+                "usable_gpu_bytes": int(self.usable_gpu_bytes),
+                "margin": self.margin,
+                "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
+                "cpu_peak_phase": self.cpu_phase,
+            },
+            "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)"},
+            "traffic": {k: int(round(v)) for k, v in self.traffic.items()},
+            "floors": {"memory_bytes": int(round(self.floor_memory)), "step_seconds": self.floor_seconds},
+            "fits": self.fits,
+            "reasons": list(self.reasons),
+        }
