@@ -125,6 +125,9 @@ def test_profile_roundtrip_and_errors(tmp_path):
     (tmp_path / "bad2.json").write_text('{"utilization": "high"}')
     with pytest.raises(ConfigError, match="must be a number"):
         Profile.load(tmp_path / "bad2.json")
+    assert "utilization" in Profile.calibratable_names() and "qlora_fp32_upcast" not in Profile.calibratable_names()
+    with pytest.raises(ConfigError, match=r"margin 1.5: must be a fraction"):
+        estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(), margin=1.5)
     with pytest.raises(ConfigError, match="korthikanti"):
         estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(), activation_formula="gpt")
 

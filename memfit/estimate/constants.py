@@ -81,6 +81,15 @@ class Profile:
     def constant_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name not in ("calibrated", "notes")]
 
+    @classmethod
+    def flag_names(cls) -> list[str]:
+        """0/1 switches, not quantities: a calibration should leave them alone."""
+        return ["activation_korthikanti", "qlora_fp32_upcast"]
+
+    @classmethod
+    def calibratable_names(cls) -> list[str]:
+        return [n for n in cls.constant_names() if n not in cls.flag_names()]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -54,6 +54,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     elif activation_formula not in (None, "derived", "korthikanti"):
         from memfit.errors import ConfigError
         raise ConfigError(f"activation_formula {activation_formula!r}: use 'derived' or 'korthikanti'")
+    if not 0.0 <= margin < 1.0:
+        from memfit.errors import ConfigError
+        raise ConfigError(f"margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% of GPU memory free")
     st = strategy
     gpu = hardware.gpu
     n = hardware.world_size
