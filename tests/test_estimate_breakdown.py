@@ -145,3 +145,23 @@ def test_time_parts_by_hand():
     assert est.time["flops_per_gpu"] == dense + attn
     assert est.step_seconds == pytest.approx((dense + attn) / (312e12 * 0.5))
     assert est.to_dict()["floors"]["step_seconds"] == pytest.approx((dense + attn) / 312e12)
+
+
+def test_communication_and_offload_time_by_hand():
+    P = 86_848
+    st = Strategy(**{**BASE, "zero_stage": 2, "grad_accum": 2})
+    t = estimate(TINY, parse_hardware("2xA100-80GB"), st, profile=PROFILE).time
+    # ZeRO-2: reduce-scatter 2 B grads every micro-batch + all-gather 2 B params at the step = 6P bytes;
+    # a ring moves (N-1)/N of it over NVLink (300 GB/s x 0.7); half of it hidden behind compute
+    assert t["comm_seconds"] == pytest.approx(6 * P * 0.5 / (300e9 * 0.7))
+    assert t["comm_exposed_seconds"] == pytest.approx(t["comm_seconds"] * 0.5)
+    # two nodes of one GPU each: the 100 Gb/s network (12.5 GB/s x 0.8) is the slower link
+    t2 = estimate(TINY, parse_hardware("2x1xA100-80GB"), st, profile=PROFILE).time
+    assert t2["comm_seconds"] == pytest.approx(6 * P * 0.5 / (12.5e9 * 0.8))
+    # optimizer offload: grads down every micro-batch (2 x P/2 x 2 B) + params up once (P/2 x 2 B) over
+    # PCIe (32 GB/s x 0.75), 30 % hidden; CPU Adam on the P/2 partition at 3e8 params/s
+    st = Strategy(**{**BASE, "zero_stage": 2, "grad_accum": 2, "offload": "optimizer"})
+    t = estimate(TINY, parse_hardware("2xA100-80GB"), st, profile=PROFILE).time
+    assert t["offload_seconds"] == pytest.approx((2 * P / 2 * 2 + P / 2 * 2) / (32e9 * 0.75) * 0.7)
+    assert t["cpu_optimizer_seconds"] == pytest.approx(P / 2 / 3e8)
+    assert t["gpu_optimizer_seconds"] == 0
