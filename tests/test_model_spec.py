@@ -33,7 +33,9 @@ def test_exact_parameter_counts(name, expected):
       "num_key_value_heads": 8, "head_dim": 256, "num_hidden_layers": 42, "vocab_size": 256000}, 9_241_705_984),
 ])
 def test_other_llama_style_families(cfg, expected):
-    assert model_from_config(cfg).parameters == expected
+    m = model_from_config(cfg)
+    assert m.parameters == expected
+    assert m.mlp == ("geglu" if cfg["model_type"].startswith("gemma") else "swiglu")
 
 
 def test_falcon_180b_matches_published_size():

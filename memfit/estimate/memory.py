@@ -52,7 +52,8 @@ class ModelNumbers:
         self.q_kv_sdpa = m.q_dim + 2 * m.kv_dim  # q, k after RoPE and v, as the attention kernel saves them
         self.q_kv_eager = 3 * m.q_dim  # eager attention expands GQA k/v to all heads (repeat_kv) before matmul
         self.attn_out = 2 * m.q_dim  # kernel output + the contiguous copy o_proj saves
-        self.tok_mlp = (4 if m.mlp == "swiglu" else 2) * m.intermediate  # swiglu: gate, act(gate), up, product
+        # gated MLPs (SwiGLU, GeGLU) keep gate, act(gate), up and their product; a plain GeLU MLP two values
+        self.tok_mlp = (4 if m.mlp in ("swiglu", "geglu") else 2) * m.intermediate
         self.n_norms = m.norms_per_layer
         self.dropout_mask = 2 * m.hidden if m.hidden_dropout > 0 else 0
         self.heads = m.heads

@@ -58,7 +58,7 @@ class ModelSpec:
     head_dim: int
     intermediate: int
     vocab: int
-    mlp: str  # "swiglu" | "gelu"
+    mlp: str  # "swiglu" | "geglu" (gated, 3 matrices) | "gelu" (2 matrices)
     norm: str  # "rmsnorm" | "layernorm"
     tie_embeddings: bool
     biases: tuple[str, ...]
@@ -185,7 +185,8 @@ def _llama_style(cfg: dict, name: str, where: str) -> ModelSpec:
     return ModelSpec(
         name=name, family=mt, hidden=h, layers=_need(cfg, "num_hidden_layers", where), heads=heads,
         kv_heads=kv, head_dim=head_dim, intermediate=f, vocab=_need(cfg, "vocab_size", where),
-        mlp="swiglu", norm="rmsnorm", tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
+        mlp="geglu" if mt in ("gemma", "gemma2") else "swiglu", norm="rmsnorm",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
         biases=tuple(lin.name for lin in linears if lin.bias),
         max_positions=int(cfg.get("max_position_embeddings") or 2048), linears=linears,
         norms_per_layer=4 if mt == "gemma2" else 2, qk_norm=mt == "qwen3", attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
