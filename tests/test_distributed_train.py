@@ -85,7 +85,9 @@ def matrix(tmp_path_factory):
     dist_args = write("dist", root / "out2", cases)
     ref_args = write("ref", root / "out1", [{"name": "lora", "set": LORA + ["strategy.micro_batch_size=2"]},
                                             {"name": "full", "set": FULL + ["strategy.micro_batch_size=2"]},
-                                            {"name": "qlora", "set": ["method=qlora", "strategy.micro_batch_size=2"]}])
+                                            {"name": "qlora", "set": ["method=qlora", "strategy.micro_batch_size=2"]},
+                                            # ZeRO without a launcher: a one-process group
+                                            {"name": "z2-alone", "set": LORA + ENGINES["z2"] + ["strategy.micro_batch_size=2"]}])
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
           "127.0.0.1", "--master-port", str(_free_port()), "-m", "memfit.distributed.matrix", *dist_args], root)
     _run([sys.executable, "-m", "memfit.distributed.matrix", *ref_args], root)
@@ -138,6 +140,11 @@ def _tensors(folder):
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def test_zero_without_launcher(matrix):
+    _, ref, _ = matrix
+    assert ref["z2-alone"]["losses"] == pytest.approx(ref["lora"]["losses"], rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.parametrize("case", ["z3offp-lora", "sgo-lora"])

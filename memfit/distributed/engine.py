@@ -175,6 +175,9 @@ def prepare_process(run: RunSpec) -> None:
     except ImportError:  # pragma: no cover - transformers without DeepSpeed glue
         pass
     _STATE["prepared"] = False
+    if not _STATE.get("atexit"):  # any process group this process joins (DDP's too) is left cleanly
+        atexit.register(shutdown)
+        _STATE["atexit"] = True
     if not is_sharded(run):
         return
     if run.strategy.fsdp:  # before the process group: accelerate picks "cuda:nccl,cpu:gloo" from it
@@ -186,9 +189,6 @@ def prepare_process(run: RunSpec) -> None:
         # transformers holds a weak reference: keep it alive for the whole run.
         _STATE["hf_ds_config"] = HfDeepSpeedConfig(engine_deepspeed_config(run))
     _STATE["prepared"] = True
-    if not _STATE.get("atexit"):
-        atexit.register(shutdown)
-        _STATE["atexit"] = True
 
 
 def shutdown() -> None:
