@@ -134,6 +134,9 @@ def test_meft_traffic_by_hand():
     # experts auto = ceil(sqrt(16)) = 4: router 64 x 4 per layer, trained on the GPU
     assert est.gpu["gradients"] == 4 * 2 * 64 * 4  # fp32 grads under autocast
     assert est.trainable_parameters == 2 * 64 * 4 + 2 * 2 * 16 * 64
+    # adapter FLOPs: every token meets the 4 buffered rows of both matrices, x3 with backward, 2 layers,
+    # plus the router trained like any parameter (6 FLOPs per parameter and token); 4 tokens
+    assert est.time["adapter_flops"] == 4 * (12 * 64 * 4 * 2 + 6 * 2 * 64 * 4)
 
 
 def test_time_parts_by_hand():

@@ -205,7 +205,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
     meft_store = 2.0 * model.layers * st.meft_neurons * model.hidden * 16.0 if method == "meft" else 0.0
-    pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") else 0.0
+    pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") and not gpu.is_cpu else 0.0
     steady = procs * (cpu_opt + cpu_grads + cpu_params + pinned + meft_store)
     load_b = 4.0 if prec == "fp32" else 2.0
     if gpu.is_cpu:
@@ -228,8 +228,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     eff = T.effective_flops(hardware, prec, tokens_micro, p)
     adapter_fpt = 0.0
     if method == "meft":
-        adapter_fpt = 12.0 * model.hidden * rows * model.layers / max(tokens_micro, 1.0)
-    dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", adapter_params, gc, adapter_fpt)
+        # each token meets every buffered row: 2·d·rows per matrix (keys, values), x3 with backward
+        adapter_fpt = 12.0 * model.hidden * rows * model.layers
+    small_trained = adapter_params + (p_t if method == "meft" else 0.0)  # LoRA adapters or MEFT's router
+    dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", small_trained, gc, adapter_fpt)
     slow_dense = p.qlora_dequant_slowdown if method == "qlora" else 1.0
     slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
     compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff
