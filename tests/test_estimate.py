@@ -64,6 +64,7 @@ def test_contract_keys_and_sums():
     for key in ("weights", "gradients", "optimizer", "activations", "logits", "overhead", "total"):
         assert key in gpu
     assert abs(sum(v for k, v in gpu.items() if k != "total") - gpu["total"]) <= len(gpu)
+    assert gpu["peak_concurrency"] <= 0
     assert abs(d["memory"]["gpu_allocated_bytes"] - (gpu["total"] - gpu["overhead"])) <= 1
     over = d["memory"]["gpu_overhead_bytes"]
     assert abs(sum(over.values()) - gpu["overhead"]) <= 3

@@ -143,3 +143,30 @@ def test_processes_on_the_cpu_share_ram_and_cores():
     small = estimate(m, parse_hardware("2xCPU", cpu_ram="40GB"),
                      Strategy(method="lora", precision="fp32", fsdp="full_shard"))
     assert not small.fits and "model 2 x" in small.reasons[0]
+
+
+def test_every_combination_is_well_formed():
+    import math
+
+    engines = ({}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"fsdp": "full_shard"},
+               {"fsdp": "shard_grad_op"})
+    count = 0
+    for m in (MODELS[0], MODELS[1], MODELS[4]):
+        for hw in (parse_hardware("2x8xA100-80GB"), parse_hardware("2xCPU")):
+            for method, eng, gc, off, prec in itertools.product(
+                    ("full", "lora", "qlora", "meft"), engines, (False, True),
+                    ("none", "optimizer", "optimizer+params"), ("fp32", "bf16-mixed", "bf16")):
+                try:
+                    st = Strategy(method=method, gradient_checkpointing=gc, offload=off, precision=prec,
+                                  seq_len=1024, micro_batch_size=2, grad_accum=2, **eng)
+                except ValueError:
+                    continue
+                est = estimate(m, hw, st)
+                g = est.gpu
+                assert abs(sum(v for k, v in g.items() if k != "total") - g["total"]) < 1e-3 * g["total"]
+                assert g["peak_concurrency"] <= 1e-6 * g["total"]
+                assert all(v >= 0 for k, v in g.items() if k != "peak_concurrency")
+                assert all(v >= 0 for v in est.cpu.values())
+                assert all(math.isfinite(v) for v in est.time.values()) and est.step_seconds > 0
+                count += 1
+    assert count > 1000

@@ -188,8 +188,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     else:  # backward reaching the first layer: its saved activations + nearly all gradients
         phase = max(phase, g_keep + (act_layers + lora_int) / model.layers + g_free)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
-    phase = max(phase, grads + local_opt * p.optimizer_step_temp_bytes + step_temp)
-    lines_sum = static + grads + acts + logits + lora_int
+    step_temp += local_opt * p.optimizer_step_temp_bytes  # live only inside the optimizer step
+    phase = max(phase, grads + step_temp)
+    lines_sum = static + grads + acts + logits + lora_int + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
@@ -198,7 +199,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
-                 "gathered_params": gathered, "comm_buffers": comm, "peak_concurrency": concurrency,
+                 "gathered_params": gathered, "comm_buffers": comm, "step_temporaries": step_temp,
+                 "peak_concurrency": concurrency,
                  "overhead": overhead,
                  "total": formula + overhead}
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers")
+GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers",
+                     "step_temporaries")
 GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
-# "peak_concurrency" (kind formula): the (usually negative) adjustment from the sum of the component peaks
-# to the step's peak, because gradients, activations, logits and optimizer temporaries are not all live
+# "peak_concurrency" (kind formula, never positive): the adjustment from the sum of the component peaks to
+# the step's peak, because gradients, activations, logits and optimizer-step temporaries are not all live
 # at once.
 GPU_OVERHEAD_LINES = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
 
