@@ -209,7 +209,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     meft_store = 2.0 * model.layers * st.meft_neurons * model.hidden * 16.0 if method == "meft" else 0.0
     pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") and not gpu.is_cpu else 0.0
     steady = procs * (cpu_opt + cpu_grads + cpu_params + pinned + meft_store)
-    load_b = 4.0 if prec == "fp32" else 2.0
+    # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
+    load_b = 4.0 if prec == "fp32" or (method == "full" and prec in ("fp16-mixed", "bf16-mixed")) else 2.0
     if gpu.is_cpu:
         loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
     elif engine == "zero3" and not fsdp or (method == "qlora" and not fsdp):
