@@ -172,12 +172,12 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- what is live at the same time: the step's peak -----------------------------------------
     # Each line above is that component's own peak. Gradients are freed every step (set_to_none; DeepSpeed
-    # drops its averaged partitions after the step, as measured with gloo on CPU), so they build up only
-    # while backward frees activations. Phases: A = start of backward (all saved activations + logits); with checkpointing
+    # drops its averaged partitions after the step, as measured with gloo on CPU), so with grad_accum = 1
+    # they build up only while backward frees activations; with accumulation they are live throughout. Phases: A = start of backward (all saved activations + logits); with checkpointing
     # B1 = last layer recomputing (inputs + its working set + logits' grads); B2 = backward at the first
     # layer (its working set + nearly all gradients); C = the optimizer step (grads + temporaries).
     static = weights + optim + meft_buf + gathered + comm
-    g_keep = 0.0
+    g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
     g_free = grads - g_keep
     phase_a = g_keep + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
     phase = phase_a
