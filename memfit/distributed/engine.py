@@ -250,7 +250,8 @@ def trainer_engine_kwargs(run: RunSpec, output_dir: Path) -> dict[str, Any]:
     if _is_main_process():
         write_engine_configs(run, output_dir)
     # The process state was built by prepare_process: the Trainer must use it, not rebuild its own.
-    kwargs: dict[str, Any] = {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    # (use_cpu stays the trainer's: on the CPU it only turns off pinning and allows CPU bf16.)
+    kwargs: dict[str, Any] = {"accelerator_config": {"use_configured_state": True}}
     if run.strategy.zero_stage:
         ds = engine_deepspeed_config(run)
         kwargs.update(deepspeed=ds, bf16=ds["bf16"]["enabled"], fp16=ds["fp16"]["enabled"])
