@@ -79,3 +79,33 @@ def test_cli_defaults_from_run_file_and_errors(run_file):
     assert p.returncode == 2 and "loopback" in p.stderr and "Traceback" not in p.stderr
     p = _cli("launch", str(run_file), "--set", "strategy.zero_stage=7", "--dry-run")
     assert p.returncode == 2 and "zero_stage" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
+    from memfit.distributed import launch as mod
+
+    seen = {}
+
+    class Done:
+        returncode = 3
+
+    def fake_run(cmd, env):
+        seen.update(cmd=cmd, env=env)
+        return Done()
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert mod.launch(run_file, nproc=2, overrides=["lora.r=4"]) == 3  # the children's exit status
+    assert seen["cmd"][1:3] == ["-m", "torch.distributed.run"] and "lora.r=4" in seen["cmd"]
+    assert int(seen["env"]["OMP_NUM_THREADS"]) >= 1
+    seen.clear()
+    with pytest.raises(ConfigError, match="lora.rank"):  # a typo fails here, before any process starts
+        mod.launch(run_file, nproc=2, overrides=["lora.rank=4"])
+    assert not seen
+
+
+def test_planning_modules_do_not_import_torch():
+    code = ("import sys, memfit.distributed.launch, memfit.distributed.preflight, memfit.distributed.engine, "
+            "memfit.cli.launch_cmds; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
