@@ -192,3 +192,22 @@ def test_device_memory_is_bounded_by_the_buffer_not_by_neurons():
         sizes.append((state["device_bytes"], state["cpu_bytes"]))
     assert sizes[0][0] == sizes[1][0] == 2 * 16 * D * 4  # two fixed fp32 buffers of 16 rows
     assert sizes[1][1] > 10 * sizes[0][1]  # the CPU store grows with neurons instead
+
+
+def test_clipping_scales_cpu_and_router_grads_and_non_finite_steps_are_skipped():
+    model, a = toy(neurons=64, top_k=4, experts=8, n_probe=2, buffer_size=64)
+    run_meft(model, torch.randn(2, 6, D), 100 * torch.randn(2, 6, D))
+    rows = a.store.touched_rows()
+    g = torch.cat([a.store.grad_keys[rows].flatten(), a.store.grad_values[rows].flatten(),
+                   a.router.weight.grad.flatten()])
+    norm = float(g.double().norm())
+    opt = build_meft_optimizer(model, lr=0.1, max_grad_norm=1.0)
+    assert opt._check_and_clip() and opt.last_grad_norm == pytest.approx(norm, rel=1e-6) and norm > 1.0
+    g2 = torch.cat([a.store.grad_keys[rows].flatten(), a.store.grad_values[rows].flatten(),
+                    a.router.weight.grad.flatten()])
+    assert float(g2.double().norm()) == pytest.approx(1.0, rel=1e-4)
+    keys = a.store.keys.clone()
+    a.store.grad_keys[rows[0], 0] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1 and torch.equal(a.store.keys, keys)  # nothing applied
+    assert int(a.store.touched.sum()) == 0 and a.router.weight.grad is None  # gradients discarded

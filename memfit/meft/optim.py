@@ -8,7 +8,10 @@ are), AdamW on the router weights, then clears all MEFT gradients: the CPU gradi
 sets (the Trainer calls ``model.zero_grad()``, which does not see them) and the router's ``.grad``;
 and it closes the traffic window.
 Gradient accumulation: every backward adds into the CPU gradients, so the accumulation boundary is
-wherever the caller calls ``step()``. Gradient clipping by the Trainer covers the router only.
+wherever the caller calls ``step()``. The Trainer's gradient clipping sees the router only; pass
+``max_grad_norm`` here to clip the CPU gradients and the router's together by their global norm.
+If any gradient is not finite (fp16 overflow), the step is skipped and the gradients are discarded
+(``skipped_steps`` counts them), as a GradScaler does.
 Under DDP every rank holds the whole CPU store; ``step()`` averages the CPU gradients of the rows any
 rank touched (an all-reduce of those rows only) before updating, so the ranks' tables stay identical.
 """
@@ -27,7 +30,12 @@ from memfit.meft.store import dense_adamw_, sparse_adamw_
 
 class MeftOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0):
+                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: Optional[float] = None):
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ConfigError(f"MEFT optimizer: max_grad_norm={max_grad_norm} must be > 0 (or None: no clipping)")
+        self.max_grad_norm = max_grad_norm
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
         if lr <= 0:
             raise ConfigError(f"MEFT optimizer: lr={lr} must be > 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -82,6 +90,10 @@ class MeftOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.flush()
         self._average_across_ranks()
+        if not self._check_and_clip():
+            self.skipped_steps += 1
+            self._consume_grads()
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -100,6 +112,10 @@ class MeftOptimizer(torch.optim.Optimizer):
                 st = self._table_state(p)
                 grad = a.store.grad_keys if part == "keys" else a.store.grad_values
                 sparse_adamw_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["row_step"], rows, **hyper)
+        self._consume_grads()
+        return loss
+
+    def _consume_grads(self) -> None:
         # the step consumes all MEFT gradients, device ones included, so that a caller who zeroes
         # only the model's gradients (the Trainer) or none at all never re-applies them
         for a in self._layers:
@@ -107,7 +123,36 @@ class MeftOptimizer(torch.optim.Optimizer):
             if a.router is not None:
                 a.router.weight.grad = None
         self._ctx.traffic.close_step()
-        return loss
+
+    def _check_and_clip(self) -> bool:
+        """Global L2 norm of the touched CPU rows' and the router's gradients; False if not finite.
+        With ``max_grad_norm``, scales them all so the norm is at most that."""
+        squares: list[torch.Tensor] = []
+        touched = []
+        for a in self._layers:
+            rows = a.store.touched_rows()
+            touched.append(rows)
+            if rows.numel():
+                for grad in (a.store.grad_keys, a.store.grad_values):
+                    squares.append(grad.index_select(0, rows).double().square().sum())
+            if a.router is not None and a.router.weight.grad is not None:
+                squares.append(a.router.weight.grad.double().square().sum().cpu())
+        if not squares:
+            self.last_grad_norm = 0.0
+            return True
+        norm = float(torch.stack(squares).sum().sqrt())
+        self.last_grad_norm = norm
+        if not torch.isfinite(torch.tensor(norm)):
+            return False
+        if self.max_grad_norm is not None and norm > self.max_grad_norm:
+            scale = self.max_grad_norm / (norm + 1e-6)
+            for a, rows in zip(self._layers, touched):
+                if rows.numel():
+                    for grad in (a.store.grad_keys, a.store.grad_values):
+                        grad.index_copy_(0, rows, grad.index_select(0, rows).mul_(scale))
+                if a.router is not None and a.router.weight.grad is not None:
+                    a.router.weight.grad.mul_(scale)
+        return True
 
     def _average_across_ranks(self) -> None:
         """Under torch.distributed (DDP), average the CPU gradients over ranks like DDP does for the
@@ -189,6 +234,10 @@ class MeftOptimizer(torch.optim.Optimizer):
 
 
 def build_meft_optimizer(model: nn.Module, lr: float = 1e-3, betas: Iterable[float] = (0.9, 0.999),
-                         eps: float = 1e-8, weight_decay: float = 0.0) -> MeftOptimizer:
-    """The optimizer for a model prepared by add_meft (pass it to ``Trainer(optimizers=(opt, sched))``)."""
-    return MeftOptimizer(model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+                         eps: float = 1e-8, weight_decay: float = 0.0,
+                         max_grad_norm: Optional[float] = None) -> MeftOptimizer:
+    """The optimizer for a model prepared by add_meft (pass it to ``Trainer(optimizers=(opt, sched))``).
+
+    ``max_grad_norm``: clip the CPU tables' and router's gradients together (None: no clipping)."""
+    return MeftOptimizer(model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm)
