@@ -3,8 +3,9 @@
 The trainer calls, in this order:
 
 1. :func:`prepare_process` before loading weights: joins the process group, so that ZeRO-3 loads the
-   model already partitioned (``deepspeed.zero.Init``) and FSDP + QLoRA reads the weights on rank 0 only
-   (RAM-efficient loading); decides whether k-bit preparation must be skipped (:func:`skip_kbit_preparation`).
+   model already partitioned (``deepspeed.zero.Init``) and FSDP reads the weights on rank 0 only
+   (RAM-efficient loading). The model builder asks :func:`skip_kbit_preparation` whether QLoRA must skip
+   ``prepare_model_for_kbit_training`` (ZeRO-3 / FSDP) and then calls :func:`enable_input_grads`.
 2. :func:`trainer_engine_kwargs` for ``TrainingArguments``: ``deepspeed=`` or ``fsdp=``/``fsdp_config=``;
    writes the DeepSpeed JSON / accelerate config actually used into the output folder.
 3. :func:`save_trained` at the end: gathers the sharded weights (all ranks take part) and rank 0 writes
@@ -156,16 +157,16 @@ def _fsdp_env(run: RunSpec) -> None:
 def _clear_engine_env() -> None:
     # The Accelerator exports ACCELERATE_USE_DEEPSPEED / _FSDP and never unsets them: a later run in this
     # process would inherit the previous run's engine.
-    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_OFFLOAD_PARAMS",
-                "FSDP_STATE_DICT_TYPE"):
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING",
+                "FSDP_OFFLOAD_PARAMS", "FSDP_STATE_DICT_TYPE"):
         os.environ.pop(key, None)
 
 
 def prepare_process(run: RunSpec) -> None:
     """Call before loading weights. Plain runs: nothing. DeepSpeed / FSDP: join the process group;
     ZeRO-3 registers its config so ``from_pretrained`` partitions weights as it loads them; FSDP exports
-    accelerate's loading settings (RAM-efficient loading for QLoRA). Safe to call again for another run
-    in the same process."""
+    accelerate's loading settings (rank 0 reads the weights, the others start on the meta device). Safe
+    to call again for another run in the same process (the previous run's engine state is dropped)."""
     _clear_engine_env()
     _STATE.pop("hf_ds_config", None)
     try:
