@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--distributed", action="store_true", help="add 2-process FSDP / ZeRO-2 cells")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per measured process")
     ap.add_argument("--no-trace", action="store_true", help="skip the FakeTensorMode traced estimate")
+    ap.add_argument("--retrace", action="store_true", help="with --reuse: trace every configuration again")
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out "
                     "(no new runs): to check an estimator change against the same measurements")
     args = ap.parse_args()
@@ -137,6 +138,10 @@ def main() -> int:
                     continue
                 old = json.loads(saved.read_text())
                 rec = measure(run, measured=old["measured"])
+                if args.retrace and cell.get("nproc", 1) == 1:
+                    from memfit.measure.runner import run_traced_process
+
+                    old["traced"] = run_traced_process(run)
                 if old.get("traced"):
                     from memfit.measure.compare import error_pct
 

@@ -100,6 +100,27 @@ def _to_fake(net: Any, fake: Any) -> None:
                 mod._buffers[name] = seen[id(b)]
 
 
+@contextlib.contextmanager
+def _unpacked_inputs():
+    """transformers cannot read fake position ids, so it assumes packed sequences and materialises an
+    s×s mask that the real run (full-length, unpadded rows) never builds. The traced inputs are never
+    packed: say so, and SDPA keeps ``is_causal`` as in the real step."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 _DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "bf16-mixed": ("float32", "bfloat16"),
            "fp16-mixed": ("float32", "float16")}
 
@@ -142,7 +163,7 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(net, fake)
     tracker = LiveStorageTracker()
-    with fake:
+    with fake, _unpacked_inputs():
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         if s.optimizer == "sgd":
