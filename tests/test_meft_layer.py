@@ -211,3 +211,14 @@ def test_clipping_scales_cpu_and_router_grads_and_non_finite_steps_are_skipped()
     opt.step()
     assert opt.skipped_steps == 1 and torch.equal(a.store.keys, keys)  # nothing applied
     assert int(a.store.touched.sum()) == 0 and a.router.weight.grad is None  # gradients discarded
+
+
+def test_config_from_the_run_files_strategy_keys():
+    from memfit.spec.strategy import Strategy
+
+    cfg = MeftConfig.from_strategy(Strategy(method="meft", meft_neurons=512, meft_top_k=16, meft_experts=8,
+                                            meft_n_probe=2), buffer_size=64)
+    assert (cfg.neurons, cfg.top_k, cfg.num_experts, cfg.probes, cfg.buffer_rows) == (512, 16, 8, 2, 64)
+    assert MeftConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="unknown field"):
+        MeftConfig.from_dict({"neurons": 8, "top_k": 2, "bogus": 1})
