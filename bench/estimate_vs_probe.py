@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> int:
              "num_hidden_layers": 4, "vocab_size": 2000}
     wide = {"hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 6,
             "num_hidden_layers": 3, "vocab_size": 8000}
-    # (config, method, checkpointing, attention, precision, micro-batch, seq_len)
+    # (config, method, checkpointing, attention, precision, micro-batch, seq_len[, grad_accum])
     cases = [
         (small, "full", False, "sdpa", "fp32", 2, 512), (small, "full", True, "sdpa", "fp32", 2, 512),
         (small, "lora", True, "sdpa", "fp32", 2, 512), (small, "lora", False, "sdpa", "fp32", 2, 512),
         (small, "full", False, "eager", "fp32", 2, 512), (wide, "full", False, "sdpa", "fp32", 1, 384),
         (wide, "full", True, "sdpa", "fp32", 1, 384), (wide, "lora", True, "eager", "fp32", 1, 384),
         (wide, "full", False, "sdpa", "bf16", 1, 384), (wide, "lora", True, "sdpa", "bf16", 1, 384),
+        (small, "full", False, "sdpa", "fp32", 2, 512, 2),
     ]
     if args.quick:
         cases = cases[:3]
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'config':34} {'measured MB':>12} {'predicted MB':>13} {'error':>7} {'step s':>7} {'pred s':>7}")
     errors = []
     t0 = time.time()
-    for cfg, method, gc, attn, prec, b, s in cases:
+    for cfg, method, gc, attn, prec, b, s, *rest in cases:
+        ga = rest[0] if rest else 1
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation=attn))
         if prec == "bf16":
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, cfg["vocab_size"], (b, s))
 
         def step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
+            for _ in range(ga):
+                model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -81,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         measured = res.peak_allocated_bytes
         spec = model_from_config({"model_type": "llama", **cfg}, name="tiny")
         st = Strategy(method=method, precision=prec, attention=attn, gradient_checkpointing=gc, seq_len=s,
-                      micro_batch_size=b)
+                      micro_batch_size=b, grad_accum=ga)
         est = estimate(spec, hw, st)
         predicted = est.to_dict()["memory"]["gpu_allocated_bytes"]
         err = 100.0 * (predicted / measured - 1.0)
         errors.append(err)
-        label = f"h{cfg['hidden_size']} {method} {'gc' if gc else '--'} {attn} {prec} b{b} s{s}"
+        label = f"h{cfg['hidden_size']} {method} {'gc' if gc else '--'} {attn} {prec} b{b} s{s}" + (f" ga{ga}" if ga > 1 else "")
         print(f"{label:34} {measured / 1e6:12.1f} {predicted / 1e6:13.1f} {err:+6.1f}% "
               f"{t_step:7.3f} {est.step_seconds:7.3f}")
     print(f"error range {min(errors):+.1f}% .. {max(errors):+.1f}% over {len(errors)} configurations "
