@@ -94,3 +94,10 @@ def test_train_entry_refuses_before_loading(tmp_path):
                        timeout=180)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "1 process(es) were launched" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_deepspeed_cpu_adam_must_be_buildable():
+    assert preflight.cpu_adam_reason(prebuilt=True, ninja=False, compiler=False) is None
+    assert preflight.cpu_adam_reason(prebuilt=False, ninja=True, compiler=True) is None
+    msg = preflight.cpu_adam_reason(prebuilt=False, ninja=False, compiler=True)
+    assert "missing ninja" in msg and "DS_BUILD_CPU_ADAM=1" in msg and "offload=none" in msg

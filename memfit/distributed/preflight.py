@@ -105,6 +105,29 @@ def engine_reasons(run: RunSpec, *, cpu: bool) -> list[str]:
     return out
 
 
+def cpu_adam_reason(prebuilt: bool, ninja: bool, compiler: bool) -> Optional[str]:
+    """DeepSpeed's offloaded AdamW (``DeepSpeedCPUAdam``) is a C++ op: prebuilt, or JIT-built with ninja
+    and a C++ compiler on first use."""
+    if prebuilt or (ninja and compiler):
+        return None
+    missing = " and ".join(m for m, ok in (("ninja", ninja), ("a C++ compiler (c++/g++)", compiler)) if not ok)
+    return (f"offload with DeepSpeed uses its C++ CPU AdamW, which is not prebuilt and cannot be built here "
+            f"(missing {missing}); pip install ninja and install g++, or reinstall DeepSpeed with "
+            "DS_BUILD_CPU_ADAM=1, or use offload=none")
+
+
+def _cpu_adam_buildable() -> Optional[str]:
+    import shutil
+
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import is_ninja_available
+    except ImportError:
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    return cpu_adam_reason(bool(installed_ops.get("cpu_adam")), is_ninja_available(), bool(compiler))
+
+
 def rule_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     """The planner's rules for this machine. On the CPU device the engines' offload is allowed here
     (it saves nothing but runs the same code as on GPUs, which is how CI tests it)."""
@@ -141,6 +164,9 @@ def reasons(run: RunSpec) -> list[str]:
     cuda = _cuda_devices()
     out = world_reasons(run, world, local_world, cuda)
     out += engine_reasons(run, cpu=cuda == 0)
+    s = run.strategy
+    if cuda and s.zero_stage and s.offload != "none" and s.optimizer == "adamw":
+        out += [r for r in [_cpu_adam_buildable()] if r]
     model, hardware = _specs(run)
     if model is not None and hardware is not None:
         out += rule_reasons(run, model, hardware)
