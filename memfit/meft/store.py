@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 
-def _empty(rows: int, cols: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.zeros(rows, cols, dtype=dtype, pin_memory=pin)
+def _empty(rows: int, cols: int, pin: bool) -> torch.Tensor:
+    return torch.zeros(rows, cols, dtype=torch.float32, pin_memory=pin)
 
 
 class CpuStore:
@@ -58,9 +58,6 @@ class CpuStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
                    (self.keys, self.values, self.grad_keys, self.grad_values, self.touched))
-
-    def tables(self) -> dict[str, torch.Tensor]:
-        return {"keys": self.keys, "values": self.values}
 
 
 def sparse_adamw_(
