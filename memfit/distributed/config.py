@@ -122,8 +122,9 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
 
     full_shard reshards parameters after forward, shard_grad_op keeps them gathered until backward;
     offload moves parameters, gradients and optimizer state to CPU (FSDP2 ``CPUOffloadPolicy``);
-    rank 0 alone reads the weights and broadcasts them (RAM-efficient loading); QLoRA checkpoints are
-    sharded.
+    rank 0 alone reads the weights and broadcasts them (RAM-efficient loading); checkpoints are sharded
+    (torch.distributed.checkpoint, one folder, every rank writes its part); the final adapter/model is
+    gathered into one file by the trainer (:func:`memfit.distributed.engine.save_trained`).
     """
     s = run.strategy
     if not s.fsdp:
@@ -134,7 +135,7 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
         "cpu_offload": s.offload != "none",
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "cpu_ram_efficient_loading": True,
-        "state_dict_type": "SHARDED_STATE_DICT" if s.method == "qlora" else "FULL_STATE_DICT",
+        "state_dict_type": "SHARDED_STATE_DICT",
     }
 
 
