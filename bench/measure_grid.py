@@ -126,7 +126,7 @@ def main() -> int:
     cells = grid(models, args.quick, args.distributed)
     records = []
     t0 = time.time()
-    print(f"{'#':>2} {'model':6} {'method':6} {'gc':3} {'attn':5} {'seq':>5} {'mb':>2} {'np':>2} "
+    print(f"{'#':>2} {'model':6} {'method':6} {'engine':16} {'gc':3} {'attn':5} {'seq':>5} {'mb':>2} {'np':>2} "
           f"{'pred MB':>8} {'alloc MB':>8} {'err %':>6} {'trace MB':>8} {'err %':>6} {'RSS MB':>8} {'step s':>7}",
           flush=True)
     for i, cell in enumerate(cells):
@@ -160,7 +160,8 @@ def main() -> int:
         records.append(rec)
         m = rec["measured"]
         pred = (rec["predicted"] or {}).get("memory", {}).get("gpu_bytes", {}).get("total")
-        print(f"{i:2d} {cell['model']:6} {cell['method']:6} {'on' if cell['gradient_checkpointing'] else 'off':3} "
+        print(f"{i:2d} {cell['model']:6} {cell['method']:6} {run.strategy.engine:16} "
+              f"{'on' if cell['gradient_checkpointing'] else 'off':3} "
               f"{cell['attention']:5} {cell['seq_len']:5d} {cell['micro_batch_size']:2d} {cell.get('nproc', 1):2d} "
               f"{fmt_mb(pred)} {fmt_mb(m['peak_allocated_bytes'])} {fmt_pct(rec['error_pct'].get('total'))} "
               f"{fmt_mb((rec.get('traced') or {}).get('peak_bytes'))} {fmt_pct(rec['error_pct'].get('traced_total'))} "
