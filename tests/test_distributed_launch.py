@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from memfit.distributed.launch import launch_command, launch_env
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, IncompatibleError
 
 
 @pytest.fixture
@@ -93,7 +93,10 @@ def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
         seen.update(cmd=cmd, env=env)
         return Done()
 
+    from memfit.distributed import preflight
+
     monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(preflight, "before_launch", lambda run: [])  # llama-2-7b is a preset, no weights
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert mod.launch(run_file, nproc=2, overrides=["lora.r=4"]) == 3  # the children's exit status
     assert seen["cmd"][1:3] == ["-m", "torch.distributed.run"] and "lora.r=4" in seen["cmd"]
@@ -101,6 +104,9 @@ def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
     seen.clear()
     with pytest.raises(ConfigError, match="lora.rank"):  # a typo fails here, before any process starts
         mod.launch(run_file, nproc=2, overrides=["lora.rank=4"])
+    monkeypatch.setattr(preflight, "before_launch", lambda run: ["model: no weights"])
+    with pytest.raises(IncompatibleError, match="cannot run here: model: no weights"):
+        mod.launch(run_file, nproc=2)
     assert not seen
 
 

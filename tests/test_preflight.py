@@ -101,3 +101,18 @@ def test_deepspeed_cpu_adam_must_be_buildable():
     assert preflight.cpu_adam_reason(prebuilt=False, ninja=True, compiler=True) is None
     msg = preflight.cpu_adam_reason(prebuilt=False, ninja=False, compiler=True)
     assert "missing ninja" in msg and "DS_BUILD_CPU_ADAM=1" in msg and "offload=none" in msg
+
+
+def test_before_launch_without_torch(tmp_path):
+    """memfit launch refuses a bad run in the parent, before starting processes (and without torch)."""
+    code = (
+        "import sys\n"
+        "from memfit.distributed.preflight import before_launch\n"
+        "from memfit.spec.run import run_from_dict\n"
+        f"r = run_from_dict({{'model': '{tmp_path / 'nope'}', 'strategy': {{'fsdp': 'full_shard', "
+        "'offload': 'optimizer'}})\n"
+        "print(before_launch(r)); print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    problems, torch_loaded = out.strip().splitlines()
+    assert "offload=optimizer+params" in problems and "is not a local model folder" in problems
+    assert torch_loaded == "False"

@@ -87,14 +87,21 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
            resume: bool = False) -> int:
     """Run this node's share of the training with torchrun; returns its exit status (0 = all ranks ok).
 
-    The run file and overrides are validated first (one ConfigError line) so a typo does not start
-    ``nproc`` processes that all fail the same way.
+    The run file, the overrides and what can be checked without torch (:func:`~memfit.distributed.
+    preflight.before_launch`: model folder, planner rules, engines) are validated first, as one error
+    line, so a mistake does not start ``nproc`` processes that all fail the same way.
     """
+    from memfit.distributed.preflight import before_launch
+    from memfit.errors import IncompatibleError
     from memfit.spec.run import load_run
 
     run_path = Path(run_path)
     layout = layout_overrides(nproc, nodes, node_rank, master_addr, master_port)
-    load_run(run_path, [*overrides, *layout])
+    run = load_run(run_path, [*overrides, *layout])
+    problems = before_launch(run)
+    if problems:
+        raise IncompatibleError(f"{run_path}: strategy {run.strategy.label()} cannot run here: "
+                                + "; ".join(problems))
     cmd = launch_command(run_path, nproc=nproc, nodes=nodes, node_rank=node_rank, master_addr=master_addr,
                          master_port=master_port, overrides=overrides, resume=resume)
     try:

@@ -174,6 +174,33 @@ def reasons(run: RunSpec) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def before_launch(run: RunSpec) -> list[str]:
+    """What a launcher can check before starting any process (no torch): the engines, the planner's
+    rules and offload RAM for this node, processes vs this node's GPUs (nvidia-smi), the model folder."""
+    if run.strategy.attention == "fa2":  # training falls back to sdpa with a note where FA2 cannot run
+        run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
+    model, hardware = _specs(run)
+    cpu = hardware is None or hardware.gpu.is_cpu
+    out = engine_reasons(run, cpu=cpu)
+    if model is not None and hardware is not None:
+        out += rule_reasons(run, model, hardware) + ram_reasons(run, model, hardware)
+    if not cpu:
+        from memfit.spec.hardware import detect_local
+
+        gpus = detect_local().gpus_per_node
+        out += world_reasons(run, run.distributed.nproc * run.distributed.nodes, run.distributed.nproc, gpus)
+    try:
+        from memfit.train.model import resolve_model_dir
+    except ImportError:  # pragma: no cover - planning-only install
+        resolve_model_dir = None
+    if resolve_model_dir is not None:
+        try:
+            resolve_model_dir(run.model)
+        except MemfitError as err:
+            out.append(str(err))
+    return list(dict.fromkeys(out))
+
+
 def check(run: RunSpec) -> None:
     """Raise ``IncompatibleError`` naming what to change, before anything heavy is loaded."""
     found = reasons(run)
