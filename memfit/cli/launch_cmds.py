@@ -38,10 +38,12 @@ def launch_command(
         return
     from memfit.cli.output import err_console
 
-    err_console.print(f"[bold]memfit launch[/bold] {run.strategy.label()}: node {layout['node_rank']} of "
-                      f"{layout['nodes']}, {layout['nproc']} process(es) here, world size {world_size(run)}, "
-                      f"rendezvous {layout['master_addr']}:{layout['master_port']}")
-    raise typer.Exit(launch(run_file, overrides=overrides, resume=resume, **layout))
+    def banner(run) -> None:
+        err_console.print(f"[bold]memfit launch[/bold] {run.strategy.label()}: node {layout['node_rank']} of "
+                          f"{layout['nodes']}, {layout['nproc']} process(es) here, world size "
+                          f"{world_size(run)}, rendezvous {layout['master_addr']}:{layout['master_port']}")
+
+    raise typer.Exit(launch(run_file, overrides=overrides, resume=resume, on_start=banner, **layout))
 
 
 def _show_plan(run, cmd: list[str], as_json: bool) -> None:

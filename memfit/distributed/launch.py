@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from memfit.errors import ConfigError
 
@@ -84,12 +84,13 @@ def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[st
 
 def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-           resume: bool = False) -> int:
+           resume: bool = False, on_start: Optional[Callable[[Any], None]] = None) -> int:
     """Run this node's share of the training with torchrun; returns its exit status (0 = all ranks ok).
 
     The run file, the overrides and what can be checked without torch (:func:`~memfit.distributed.
     preflight.before_launch`: model folder, planner rules, engines) are validated first, as one error
-    line, so a mistake does not start ``nproc`` processes that all fail the same way.
+    line, so a mistake does not start ``nproc`` processes that all fail the same way. ``on_start(run)``
+    is called once that passed, just before the processes start (the CLI prints what it launches).
     """
     from memfit.distributed.preflight import before_launch
     from memfit.errors import IncompatibleError
@@ -104,6 +105,8 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
                                 + "; ".join(problems))
     cmd = launch_command(run_path, nproc=nproc, nodes=nodes, node_rank=node_rank, master_addr=master_addr,
                          master_port=master_port, overrides=overrides, resume=resume)
+    if on_start is not None:
+        on_start(run)
     try:
         return subprocess.run(cmd, env=launch_env(nproc=nproc)).returncode
     except KeyboardInterrupt:  # torchrun forwards the signal to its workers and exits
