@@ -114,3 +114,17 @@ def test_meft_trains_logs_traffic_and_saves(assets, tmp_path):
     assert any(x.get("meft_h2d", 0) > 0 for x in rows if "loss" in x)
     assert (Path(r.saved_to) / "meft_adapter.safetensors").is_file()
     assert r.model["trainable"] == 2 * 256 * 64 * 2  # keys + values, hidden 64, 2 layers
+
+
+def test_auto_asks_the_planner_then_trains(assets, tmp_path, capsys):
+    pytest.importorskip("memfit.plan.search")
+    model, data = assets
+    code, out, err = _cli(capsys, "train", "--auto", "--model", str(model), "--data", str(data),
+                          "--out", str(tmp_path / "auto"), "--seq-len", "128", "--micro-batch-size", "4",
+                          "--methods", "lora", "--set", "max_steps=3", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["method"] == "lora" and result["steps"] == 3
+    run = load_run(tmp_path / "auto" / "run.yaml")
+    assert run.strategy.seq_len == 128 and run.strategy.precision == "fp32"  # the planner's CPU choice
+    assert result["predicted"]["strategy"]["method"] == "lora"

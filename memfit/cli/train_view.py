@@ -61,8 +61,10 @@ def summary_table(r: Any) -> Table:
         t.add_row("eval loss", f"{d['eval_loss']:.4f}", "", "")
     p_peak, p_step = predicted_figures(d.get("predicted"))
     kind = "peak RSS (process)" if d["peak_mem_kind"] == "peak_rss" else "peak allocated (CUDA)"
+    rss = d["peak_mem_kind"] == "peak_rss"  # the whole process: not comparable with a tensor estimate
     t.add_row(f"peak memory, {kind}", human_bytes(d["peak_mem_bytes"]),
-              human_bytes(p_peak) if p_peak else "—", _ratio(d["peak_mem_bytes"], p_peak))
+              (human_bytes(p_peak) + (" (tensors)" if rss else "")) if p_peak else "—",
+              "n/a" if rss and p_peak else _ratio(d["peak_mem_bytes"], p_peak))
     step = d.get("step_time_s")
     t.add_row("step time (median)", f"{step * 1000:.1f} ms" if step else "—",
               f"{p_step * 1000:.1f} ms" if p_step else "—", _ratio(step, p_step))
@@ -83,7 +85,8 @@ def print_summary(r: Any) -> None:
     console.print(summary_table(d))
     if d.get("peak_mem_kind") == "peak_rss":
         console.print("[dim]On CPU the measured peak is the whole process's RSS (Python, libraries, "
-                      "allocator slack), not just tensors.[/dim]")
+                      "allocator slack), the prediction counts tensors only; `memfit measure RUN.yaml` "
+                      "compares them at the allocator level.[/dim]")
     if not d.get("predicted"):
         console.print("[dim]No prediction: the planner (memfit.estimate) gave none for this model here.[/dim]")
     for note in d.get("notes") or []:

@@ -29,6 +29,7 @@ class StepStats(TrainerCallback):
 
     def __init__(self) -> None:
         self.step_times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU seconds per step (all threads)
         self.losses: list[tuple[int, float]] = []
         self._t0: Optional[float] = None
         self._tokens0 = 0
@@ -37,6 +38,7 @@ class StepStats(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
         self._tokens0 = state.num_input_tokens_seen
 
     def on_step_end(self, args, state, control, **kw):
@@ -44,6 +46,7 @@ class StepStats(TrainerCallback):
             return
         dt = time.perf_counter() - self._t0
         self.step_times.append(dt)
+        self.cpu_times.append(time.process_time() - self._c0)
         self._window[0] += dt
         self._window[1] += state.num_input_tokens_seen - self._tokens0
 
@@ -57,6 +60,7 @@ class StepStats(TrainerCallback):
             self._window = [0.0, 0]
         if self.step_times:
             logs["step_time_s"] = round(self.step_times[-1], 4)
+            logs["step_cpu_s"] = round(self.cpu_times[-1], 4)
         peak, kind = peak_memory_bytes()
         logs["peak_mem_bytes"] = peak
         logs["peak_mem_kind"] = kind
@@ -121,6 +125,7 @@ class RichProgress(TrainerCallback):
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"), console=self.console, transient=False,
+            auto_refresh=False,  # redrawn once per step: no render thread competing with the step
         )
         self.progress.start()
         self.task = self.progress.add_task("train", total=state.max_steps, completed=state.global_step,
@@ -128,7 +133,7 @@ class RichProgress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         if self.progress is not None:
-            self.progress.update(self.task, completed=state.global_step)
+            self.progress.update(self.task, completed=state.global_step, refresh=True)
 
     def on_log(self, args, state, control, logs=None, **kw):
         if self.progress is None or not logs:
@@ -143,7 +148,7 @@ class RichProgress(TrainerCallback):
         if "peak_mem_bytes" in logs:
             parts.append(f"peak {logs['peak_mem_bytes'] / 1e6:.0f} MB")
         if parts:
-            self.progress.update(self.task, status="  ".join(parts))
+            self.progress.update(self.task, status="  ".join(parts), refresh=True)
 
     def on_train_end(self, args, state, control, **kw):
         if self.progress is not None:
