@@ -72,9 +72,12 @@ def test_lora_counts_and_intermediates():
     # per adapted linear and token: rank intermediate 2*4 + dropped input copy and mask (2+1)*64 = 200;
     # 2 linears x 8 tokens x 2 layers = 6400
     assert g["lora_intermediates"] == 6400
-    # no dropout: rank intermediate 2*4 + the bf16 cast of the input lora_A saves 2*64 = 136 per linear
+    # no dropout, autocast: only the rank intermediate 2*4 per linear (the bf16 input is shared)
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"),
-               lora_dropout=0.0).gpu["lora_intermediates"] == 136 * 2 * 8 * 2
+               lora_dropout=0.0).gpu["lora_intermediates"] == 8 * 2 * 8 * 2
+    # pure bf16: lora_A saves PEFT's fp32 cast of its input, 4*64 per linear
+    assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), precision="bf16",
+               lora_dropout=0.0).gpu["lora_intermediates"] == (8 + 256) * 2 * 8 * 2
     # under DeepSpeed the adapters are bf16 like the rest: no cast copy
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), zero_stage=2,
                lora_dropout=0.0).gpu["lora_intermediates"] == 8 * 2 * 8 * 2

@@ -111,8 +111,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     weights_all = frozen_bytes + p_t * w_b  # one full copy of the model's weights as stored
     compute_all = frozen_bytes + p_t * (copy_b or w_b)  # one full copy in the dtype the matmuls use
     weights = weights_all / n if (sharded_w or family == "fsdp") else weights_all
-    if family == "ddp":
-        weights += p_t * copy_b  # autocast's 16-bit weight copies, saved for backward
+    autocast_copy = 0.0
+    if family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
+        autocast_copy = p_t * copy_b  # backward; gone once backward has used them
+        weights += autocast_copy
     elif engine == "sgo":
         weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
     if method == "qlora":
@@ -137,7 +139,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
-                                             cast_copy=(0.0 if not adapter_fp32 else 4.0 if prec == "bf16" else e))
+                                             # pure bf16: lora_A saves PEFT's fp32 cast of its input; under
+                                             # autocast the bf16 input is shared (CPU probe, tiny Llama)
+                                             cast_copy=4.0 if adapter_fp32 and prec == "bf16" else 0.0)
     meft_buf = 0.0
     rows = 0.0
     if method == "meft":
@@ -176,10 +180,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # they build up only while backward frees activations; with accumulation they are live throughout. Phases: A = start of backward (all saved activations + logits); with checkpointing
     # B1 = last layer recomputing (inputs + its working set + logits' grads); B2 = backward at the first
     # layer (its working set + nearly all gradients); C = the optimizer step (grads + temporaries).
-    static = weights + optim + meft_buf + gathered + comm
+    static = weights - autocast_copy + optim + meft_buf + gathered + comm
     g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
     g_free = grads - g_keep
-    phase_a = g_keep + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
+    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
     phase = phase_a
     if gc:
         working = act_layers + lora_int
@@ -190,7 +194,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     step_temp += local_opt * p.optimizer_step_temp_bytes  # live only inside the optimizer step
     phase = max(phase, grads + step_temp)
-    lines_sum = static + grads + acts + logits + lora_int + step_temp
+    lines_sum = static + autocast_copy + grads + acts + logits + lora_int + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes

@@ -159,8 +159,8 @@ def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets,
                             checkpointing: bool, profile: Profile, cast_copy: float = 0.0) -> float:
     """Per adapted linear: the rank-r intermediate (e·s·b·r) and the input lora_A saves: with
     lora_dropout > 0 the dropped copy and its mask ((e + 1)·s·b·in); without dropout a cast copy
-    (``cast_copy`` bytes per input value) when PEFT's fp32 adapter sees 16-bit inputs, else nothing (the
-    base linear's input is shared). With checkpointing only the recomputed layer(s)."""
+    (``cast_copy`` bytes per input value: PEFT's fp32 cast in pure bf16), else nothing (under autocast the
+    16-bit input is shared with the base linear). With checkpointing only the recomputed layer(s)."""
     count, sum_in = numbers(model).lora_sums(targets)
     copy = (e + 1.0) if dropout > 0 else cast_copy
     per_layer = (count * e * r + copy * sum_in) * b * s
