@@ -116,3 +116,21 @@ def test_memory_limit_walks_the_ladder_then_says_what_is_left(assets):
     last = log["attempts"][-1]["levers"]
     assert last["gradient_checkpointing"] and last["micro_batch_size"] == 1 and last["grad_accum"] == 2
     assert all(a["resumed_from"] is None for a in log["attempts"])  # no checkpoint was ever written
+
+
+@pytest.mark.slow
+def test_fallback_under_fsdp_two_processes(assets):
+    """Each attempt runs under torchrun; both ranks' OOM markers end it; the next attempt resumes the
+    FSDP checkpoint with checkpointing on."""
+    root = assets[2]
+    run = _run(assets, root / "f", method="full", fsdp="full_shard", gradient_checkpointing=False)
+    raw = run.model_dump(mode="json")
+    raw["distributed"]["nproc"] = 2
+    run = run_from_dict(raw)
+    result = train_with_fallback(run, inject_oom_at=3)
+    log = json.loads((root / "f" / "fallback.json").read_text())
+    assert [a["outcome"] for a in log["attempts"]] == ["out of memory", "finished"]
+    assert "rank 0" in log["attempts"][0]["error"] and "rank 1" in log["attempts"][0]["error"]
+    assert log["attempts"][1]["levers"]["gradient_checkpointing"] is True
+    assert log["attempts"][1]["resumed_from"].endswith("checkpoint-2")
+    assert result["steps"] == 4 and result["resumed_from"].endswith("checkpoint-2")

@@ -12,7 +12,8 @@ continues from the newest complete checkpoint with the next strategy:
 5. (sharded runs) offload the optimizer, then the parameters.
 
 Where the estimator exists, the candidates are ordered as the planner ranks them (fastest predicted
-step first among those predicted lighter than the plan that failed); otherwise in the order above.
+step first among those predicted lighter than the plan that failed, then the rest, lightest first);
+otherwise in the order above.
 Multi-process runs (DeepSpeed / FSDP) run each attempt under torchrun through
 ``memfit.measure.fallback_worker``, whose ranks write an ``oom-rank{N}.json`` marker when they run out.
 """
@@ -95,14 +96,15 @@ def _ranked(run: Any, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         model = resolve_model(run.model)
         hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
         now = estimate(model, hw, run.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
-        scored = []
+        lighter, others = [], []
         for i, (why, st) in enumerate(options):
             d = estimate(model, hw, st).to_dict()
             mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
             if mem < now:
-                scored.append((secs, i, why, st))
-        if scored:
-            return [(why, st) for _, _, why, st in sorted(scored)]
+                lighter.append((secs, i, why, st))
+            else:  # the estimate says it will not help; the estimate can be wrong: try it last
+                others.append((mem, i, why, st))
+        return [(why, st) for _, _, why, st in sorted(lighter) + sorted(others)]
     except Exception:  # estimator absent or unable: keep the fixed order
         pass
     return options
