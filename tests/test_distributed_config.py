@@ -1,9 +1,10 @@
-"""The engines' configs built from a run (pure Python: no torch, no processes)."""
+"""The engines' configs built from a run (pure Python), and DeepSpeed's / accelerate's parsers reading them."""
 
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from memfit.distributed.config import accelerate_config, deepspeed_config, fsdp_trainer_config
 from memfit.spec.run import run_from_dict
@@ -67,3 +68,34 @@ def test_config_module_does_not_import_torch():
     code = "import sys, memfit.distributed.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+ENGINE_CASES = [
+    {"zero_stage": 1}, {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3},
+    {"zero_stage": 3, "offload": "optimizer+params", "precision": "fp16-mixed"},
+    {"fsdp": "full_shard", "offload": "optimizer+params", "method": "qlora", "quant_storage": "bf16"},
+    {"fsdp": "shard_grad_op"}, {},
+]
+
+
+@pytest.mark.parametrize("strategy", ENGINE_CASES)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_engines_accept_what_memfit_writes(strategy, device, tmp_path):
+    """DeepSpeed's and accelerate's own parsers (both reject unknown keys) read the emitted configs."""
+    pytest.importorskip("deepspeed")
+    from accelerate.commands.config.config_args import ClusterConfig
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    run = run_from_dict({"model": "x", "strategy": strategy, "distributed": {"nproc": 1}})
+    ds_file = None
+    if run.strategy.zero_stage:
+        ds = deepspeed_config(run, device=device, hidden_size=512)
+        parsed = DeepSpeedConfig(ds)  # world size 1 here: train_batch_size = micro x accumulation
+        assert parsed.zero_optimization_stage == run.strategy.zero_stage
+        assert parsed.zero_config.gather_16bit_weights_on_model_save == (run.strategy.zero_stage == 3)
+        ds_file = str(tmp_path / "deepspeed.json")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(accelerate_config(run, device=device, deepspeed_config_file=ds_file)))
+    cluster = ClusterConfig.from_yaml_file(str(path))
+    want = "DEEPSPEED" if run.strategy.zero_stage else "FSDP" if run.strategy.fsdp else "NO"
+    assert str(cluster.distributed_type).endswith(want)
