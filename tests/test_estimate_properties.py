@@ -175,8 +175,9 @@ def test_every_combination_is_well_formed():
 def test_accumulated_gradients_stay_live():
     hw = parse_hardware("8xA100-80GB")
     m = resolve_model("llama-2-7b")
-    one = estimate(m, hw, Strategy(method="full", zero_stage=1, grad_accum=1))
-    four = estimate(m, hw, Strategy(method="full", zero_stage=1, grad_accum=4))
+    kw = dict(method="full", seq_len=2048, micro_batch_size=2)
+    one = estimate(m, hw, Strategy(zero_stage=1, grad_accum=1, **kw))
+    four = estimate(m, hw, Strategy(zero_stage=1, grad_accum=4, **kw))
     assert four.gpu_total > one.gpu_total  # ZeRO-1 keeps the full 16-bit gradients between micro-batches
-    z2 = estimate(m, hw, Strategy(method="full", zero_stage=2, grad_accum=4))
+    z2 = estimate(m, hw, Strategy(zero_stage=2, grad_accum=4, **kw))
     assert z2.gpu_total < four.gpu_total  # ZeRO-2 accumulates into its partition

@@ -46,7 +46,9 @@ class Profile:
     logits_bytes_16bit: float = 12.0  # bytes per logit at the loss peak: fp32 log-softmax 4 + two fp32 grads 8 (the trainer drops the half logits before backward)
     logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
     logits_live_during_recompute: float = 0.25  # with checkpointing: fraction of the logits line still live while the last layer recomputes (fitted, bench/estimate_vs_probe.py)
-    optimizer_step_temp_bytes: float = 2.5  # temporaries per locally-updated trainable param in the optimizer step (foreach AdamW on CPU measured ~2.6)
+    optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
+    optimizer_step_temp_bytes_gpu: float = 0.0  # GPUs: fused AdamW (the HF Trainer's default on CUDA) updates in place
+    zero_fp32_grad_bytes: float = 4.0  # DeepSpeed 16-bit training: fp32 copy of the local gradient partition for the step
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)

@@ -192,7 +192,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     else:  # backward reaching the first layer: its saved activations + nearly all gradients
         phase = max(phase, g_keep + (act_layers + lora_int) / model.layers + g_free)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
-    step_temp += local_opt * p.optimizer_step_temp_bytes  # live only inside the optimizer step
+    # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
+    step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
+    if family == "deepspeed" and prec != "fp32" and not off_opt:
+        step_temp += local_opt * p.zero_fp32_grad_bytes
     phase = max(phase, grads + step_temp)
     lines_sum = static + autocast_copy + grads + acts + logits + lora_int + step_temp
     concurrency = static + phase - lines_sum
