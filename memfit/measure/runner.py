@@ -194,6 +194,10 @@ def _run_forked(spec_path: Path, log: Path, timeout: float) -> int:
 
 def run_traced_process(run: Any, *, timeout: float = 900) -> dict[str, Any]:
     """The FakeTensorMode trace of one step of ``run`` (memfit.measure.trace) in a fresh process."""
+    from memfit.measure.trace import check_traceable, config_path
+
+    check_traceable(run.strategy)
+    config_path(run.model)
     work = Path(tempfile.mkdtemp(prefix="memfit-trace-"))
     try:
         run_dict = run.model_dump(mode="json")
@@ -230,6 +234,10 @@ def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
             measured: Optional[dict[str, Any]] = None, traced: bool = False, **kw: Any) -> dict[str, Any]:
     """``{"run", "predicted", "measured", "error_pct", "rows"}`` for one configuration (and
     ``"traced"`` with ``traced=True``: the FakeTensorMode estimate, compared with the same peak)."""
+    if traced:  # say what cannot be traced before spending minutes on the real run
+        from memfit.measure.trace import check_traceable
+
+        check_traceable(run.strategy)
     predicted = predict(run, profile)
     if measured is None:
         measured = run_measured_process(run, warmup=warmup, steps=steps, **kw)

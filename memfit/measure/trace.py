@@ -125,6 +125,18 @@ _DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "bf16-mixed": 
            "fp16-mixed": ("float32", "float16")}
 
 
+def check_traceable(s: Any) -> None:
+    """IncompatibleError for what the trace does not cover (plain Python: callable before any torch)."""
+    if s.method not in ("full", "lora"):
+        raise IncompatibleError(f"traced estimate: method {s.method} is not traced (full and lora are)")
+    if s.zero_stage or s.fsdp:
+        raise IncompatibleError("traced estimate: sharded engines are not traced; use zero_stage=0, fsdp=false")
+    if s.attention == "fa2":
+        raise IncompatibleError("traced estimate: fa2 cannot be traced on this torch build; use sdpa")
+    if s.optimizer not in ("adamw", "sgd"):
+        raise IncompatibleError(f"traced estimate: optimizer {s.optimizer} is not traced (adamw, sgd are)")
+
+
 def traced_step(model: str, strategy: Any) -> dict[str, Any]:
     """The traced peak of one training step (after a step that created the optimizer state)."""
     import torch
@@ -132,12 +144,7 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     s = strategy
-    if s.method not in ("full", "lora"):
-        raise IncompatibleError(f"traced estimate: method {s.method} is not traced (full and lora are)")
-    if s.zero_stage or s.fsdp:
-        raise IncompatibleError("traced estimate: sharded engines are not traced; use zero_stage=0, fsdp=false")
-    if s.attention == "fa2":
-        raise IncompatibleError("traced estimate: fa2 cannot be traced on this torch build; use sdpa")
+    check_traceable(s)
     cfg = AutoConfig.from_pretrained(str(config_path(model)))
     cfg._attn_implementation = s.attention
     weight_dtype, autocast = (getattr(torch, d) if d else None for d in _DTYPES[s.precision])
