@@ -202,3 +202,24 @@ def test_unknown_run_file_key_names_it(tmp_path):
     p.write_text("model: x\nstrategy: {methd: lora}\n")
     with pytest.raises(ConfigError, match=r"strategy\.methd: unknown key"):
         load_run(p)
+
+
+def test_packed_rows_attend_only_within_each_example(assets, tmp_path):
+    """A packed row gives each example the logits it has alone (position_ids restart, no cross-attention)."""
+    from memfit.train.data import Collator, pack
+    from memfit.train.model import build_model
+
+    model, _, _ = build_model(make_run(assets, tmp_path, method="full"))
+    model.eval()
+    a, b = list(range(5, 15)), list(range(20, 27))
+    batch = Collator(0)(pack([{"input_ids": a, "labels": a}, {"input_ids": b, "labels": b}], 64))
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        alone_b = model(input_ids=torch.tensor([b])).logits
+    assert torch.allclose(packed[0, 10:17], alone_b[0], atol=1e-5)
+
+
+def test_packed_training_run(assets, tmp_path):
+    r = train(make_run(assets, tmp_path, overrides=["data.packing=true", "max_steps=6"]))
+    assert r.data["packed"] and 0 < r.data["packed_sequences"] < r.data["train_examples"]
+    assert r.losses[-1][1] < r.losses[0][1]
