@@ -142,13 +142,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                                              # pure bf16: lora_A saves PEFT's fp32 cast of its input; under
                                              # autocast the bf16 input is shared (CPU probe, tiny Llama)
                                              cast_copy=4.0 if adapter_fp32 and prec == "bf16" else 0.0)
-    meft_buf = 0.0
+    meft_buf = meft_acts = 0.0
     rows = 0.0
-    if method == "meft":
+    if method == "meft":  # fixed device buffers + the per-layer adapter scores saved for backward
         rows = M.meft_rows(model, st.meft_neurons, st.meft_top_k, b, s, p)
-        buffers = p.meft_live_buffers * rows * model.hidden * 2.0 * e
         held = p.checkpoint_extra_layers if gc else model.layers
-        meft_buf = buffers + held * b * s * rows * e
+        meft_acts = held * b * s * rows * e
+        meft_buf = p.meft_live_buffers * rows * model.hidden * 2.0 * e + meft_acts
 
     # ---- engine buffers -------------------------------------------------------------------------
     h2 = float(model.hidden) ** 2
@@ -177,27 +177,29 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is live at the same time: the step's peak -----------------------------------------
     # Each line above is that component's own peak. Gradients are freed every step (set_to_none; DeepSpeed
     # drops its averaged partitions after the step, as measured with gloo on CPU), so with grad_accum = 1
-    # they build up only while backward frees activations; with accumulation they are live throughout. Phases: A = start of backward (all saved activations + logits); with checkpointing
-    # B1 = last layer recomputing (inputs + its working set + logits' grads); B2 = backward at the first
-    # layer (its working set + nearly all gradients); C = the optimizer step (grads + temporaries).
-    static = weights - autocast_copy + optim + meft_buf + gathered + comm
+    # they build up only while backward frees activations; with accumulation they are live throughout.
+    # Phases: A = start of backward (all saved activations + logits); with checkpointing B1 = last layer
+    # recomputing (inputs + its working set + logits' grads); B2 = backward at the first layer (its
+    # working set + nearly all gradients); C = the optimizer step (grads + step temporaries).
+    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm
+    adapter_acts = lora_int + meft_acts
     g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
     g_free = grads - g_keep
-    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + (0.0 if gc else act_layers + lora_int)
+    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + (0.0 if gc else act_layers + adapter_acts)
     phase = phase_a
     if gc:
-        working = act_layers + lora_int
+        working = act_layers + adapter_acts
         phase = max(phase, g_keep + act_tail + working + act_in + p.logits_live_during_recompute * logits,
                     g_keep + working + g_free)
     else:  # backward reaching the first layer: its saved activations + nearly all gradients
-        phase = max(phase, g_keep + (act_layers + lora_int) / model.layers + g_free)
+        phase = max(phase, g_keep + (act_layers + adapter_acts) / model.layers + g_free)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
     step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
     if family == "deepspeed" and prec != "fp32" and not off_opt:
         step_temp += local_opt * p.zero_fp32_grad_bytes
     phase = max(phase, grads + step_temp)
-    lines_sum = static + autocast_copy + grads + acts + logits + lora_int + step_temp
+    lines_sum = static + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
@@ -207,9 +209,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
                  "gathered_params": gathered, "comm_buffers": comm, "step_temporaries": step_temp,
-                 "peak_concurrency": concurrency,
-                 "overhead": overhead,
-                 "total": formula + overhead}
+                 "peak_concurrency": concurrency, "overhead": overhead, "total": formula + overhead}
 
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
