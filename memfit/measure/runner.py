@@ -100,8 +100,8 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
     """Train ``run`` (a RunSpec) for warmup+steps steps in a fresh process; the merged ``measured``.
 
     Single-process runs are forked from a fork server that imported torch/transformers once and has run
-    no configuration (a new process each time, without the import cost); ``fork_server=False`` starts a
-    new interpreter instead. Multi-process runs start under torchrun.
+    no configuration (a new process each time, without the import cost); ``fork_server=False``, or a
+    visible GPU, starts a new interpreter instead. Multi-process runs start under torchrun.
     """
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got steps={steps}, warmup={warmup})")
@@ -185,8 +185,25 @@ class _ForkServer:
 _SERVER: Optional[_ForkServer] = None
 
 
+def gpu_visible() -> bool:
+    """An NVIDIA device node exists (checked without touching CUDA). Forking after CUDA's driver was
+    initialised is unsafe, and libraries probe CUDA at import, so GPU machines start fresh interpreters."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
+
+
 def _run_forked(spec_path: Path, log: Path, timeout: float) -> int:
+    """A fresh process for ``spec_path``: forked from the fork server on CPU machines, a new interpreter
+    where a GPU is visible."""
     global _SERVER
+    if gpu_visible():
+        from memfit.measure.probe import env_for_measurement
+
+        with open(log, "w") as fh:
+            return subprocess.run([sys.executable, "-m", "memfit.measure.worker", str(spec_path)],
+                                  env=env_for_measurement(), stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
     if _SERVER is None or not _SERVER.alive():
         _SERVER = _ForkServer()
     return _SERVER.run(spec_path, log, timeout)
