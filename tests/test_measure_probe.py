@@ -159,3 +159,13 @@ def test_root_cause_picks_the_rank_error_not_torchrun():
     log = ("noise\n[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: bad seq_len\n"
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n")
     assert _root_cause(log) == "[rank0]: ValueError: bad seq_len"
+
+
+def test_unknown_estimate_lines_fold_into_overhead():
+    from memfit.measure.compare import predicted_memory
+
+    pred = {"memory": {"gpu_bytes": {"weights": 10, "activations": 20, "lora_intermediates": 5,
+                                     "step_temporaries": 7, "peak_concurrency": -2, "total": 40}}}
+    out = predicted_memory(pred)
+    assert out["activations"] == 25 and out["overhead"] == 5
+    assert sum(v for k, v in out.items() if k != "total") == out["total"]

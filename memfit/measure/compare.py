@@ -33,7 +33,8 @@ def measured_by_component(components: dict[str, int]) -> dict[str, int]:
     return {name: sum(int(components.get(c, 0)) for c in cats) for name, cats in COMPONENT_MAP.items()}
 
 
-# estimate lines folded into the compared components (lines absent from an estimate count 0)
+# estimate lines folded into the compared components (lines absent from an estimate count 0; lines not
+# listed here are added to overhead)
 PREDICTED_MAP: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "gathered_params"),
     "gradients": ("gradients",),
@@ -52,6 +53,10 @@ def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
     if not lines:
         return {}
     out = {name: sum(lines.get(k, 0.0) for k in keys) for name, keys in PREDICTED_MAP.items()}
+    mapped = {k for keys in PREDICTED_MAP.values() for k in keys} | {"total"}
+    # lines this table does not know (e.g. step temporaries, concurrency corrections) are overhead, so
+    # the folded components still add up to the estimate's total
+    out["overhead"] += sum(v for k, v in lines.items() if k not in mapped)
     if "total" in lines:
         out["total"] = lines["total"]
     return out
