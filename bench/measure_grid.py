@@ -155,8 +155,7 @@ def main() -> int:
             print(f"{i:2d} {cell['model']:6} {run.strategy.label()}: FAILED {err}", flush=True)
             continue
         rec["cell"] = cell
-        if not args.reuse:
-            save_record(rec, args.out / "runs", f"{i:02d}-{cell['model']}")
+        save_record(rec, args.out / "runs", f"{i:02d}-{cell['model']}")  # --reuse: same measurement, new prediction
         records.append(rec)
         m = rec["measured"]
         pred = (rec["predicted"] or {}).get("memory", {}).get("gpu_bytes", {}).get("total")

@@ -167,5 +167,5 @@ def test_unknown_estimate_lines_fold_into_overhead():
     pred = {"memory": {"gpu_bytes": {"weights": 10, "activations": 20, "lora_intermediates": 5,
                                      "step_temporaries": 7, "peak_concurrency": -2, "total": 40}}}
     out = predicted_memory(pred)
-    assert out["activations"] == 25 and out["overhead"] == 5
+    assert out["activations"] == 25 and out["overhead"] == 7 and out["correction"] == -2
     assert sum(v for k, v in out.items() if k != "total") == out["total"]

@@ -56,7 +56,10 @@ def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
     mapped = {k for keys in PREDICTED_MAP.values() for k in keys} | {"total"}
     # lines this table does not know (e.g. step temporaries, concurrency corrections) are overhead, so
     # the folded components still add up to the estimate's total
-    out["overhead"] += sum(v for k, v in lines.items() if k not in mapped)
+    extra = {k: v for k, v in lines.items() if k not in mapped}
+    out["overhead"] += sum(v for v in extra.values() if v > 0)
+    # negative lines are the estimator's "not all live at once" corrections: no measured counterpart
+    out["correction"] = sum(v for v in extra.values() if v < 0)
     if "total" in lines:
         out["total"] = lines["total"]
     return out
@@ -84,6 +87,9 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
         errors[name] = error_pct(p, m)
         rows.append({"component": name, "metric": "allocated", "predicted": p, "measured": m,
                      "error_pct": errors[name]})
+    if pred.get("correction"):
+        rows.append({"component": "not live at the peak", "metric": "allocated", "predicted": pred["correction"],
+                     "measured": None, "error_pct": None})
     total_p, total_m = pred.get("total"), measured.get("peak_allocated_bytes")
     errors["total"] = error_pct(total_p, total_m)
     rows.append({"component": "total", "metric": "allocated", "predicted": total_p, "measured": total_m,
