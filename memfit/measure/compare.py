@@ -71,7 +71,8 @@ def predicted_step_seconds(predicted: dict[str, Any]) -> Optional[float]:
 
 
 def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """``error_pct`` for the total (vs the allocated peak), each component, and step time.
+    """``error_pct`` for the total (vs the allocated peak), each component (None where the measured
+    component is under 1 % of the peak), and step time.
 
     Also returns ``rows``: one dict per line of the human table (component, metric, predicted, measured,
     error_pct).
@@ -80,11 +81,13 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
     meas = measured_by_component(measured.get("components") or {})
     rows = []
     errors: dict[str, Optional[float]] = {}
+    peak = measured.get("peak_allocated_bytes") or 0
     for name in COMPONENT_MAP:
         p, m = pred.get(name), meas.get(name)
         if p is None and not m:
             continue
-        errors[name] = error_pct(p, m)
+        # a component under 1 % of the measured peak gives a meaningless ratio: no error for it
+        errors[name] = error_pct(p, m) if m and m >= 0.01 * peak else None
         rows.append({"component": name, "metric": "allocated", "predicted": p, "measured": m,
                      "error_pct": errors[name]})
     if pred.get("correction"):
