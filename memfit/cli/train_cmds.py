@@ -156,16 +156,7 @@ def train_command(
         rc = launch(str(run_path), nproc=nproc, nodes=nodes,
                     node_rank=d.node_rank if node_rank is None else node_rank,
                     master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
-                    overrides=overrides, resume=resume)
-        if not as_json and rc == 0:
-            from memfit.cli.train_view import print_summary
-            from memfit.train.api import SUMMARY_FILE
-
-            summary = Path(run.output_dir).expanduser() / SUMMARY_FILE
-            if summary.is_file():
-                import json
-
-                print_summary(json.loads(summary.read_text()))
+                    overrides=overrides, resume=resume)  # rank 0 prints progress and the summary
         raise typer.Exit(int(rc or 0))
     if fallback:
         fn = _optional("memfit.measure.fallback", "train_with_fallback", "--fallback")
