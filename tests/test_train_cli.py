@@ -63,8 +63,10 @@ def test_demo_writes_adapter_metrics_and_run_file(tmp_path, capsys, monkeypatch)
 
 def test_train_command_text_summary(assets, tmp_path, capsys):
     path = _run_file(assets, tmp_path)
-    code, out, err = _cli(capsys, "train", str(path), "--set", "lora.r=4")
+    code, out, err = _cli(capsys, "train", str(path), "--set", "lora.r=4", "--set", "training.eval_interval=3")
     assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if "eval_loss" in x] == [3, 6]  # every 3 steps (step 6 is also the final one)
     assert "memfit train — lora — 6 steps" in out
     assert "peak memory" in out and "step time" in out and "saved:" in out
     assert load_run(tmp_path / "out" / "run.yaml").strategy.lora_r == 4

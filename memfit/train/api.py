@@ -209,8 +209,10 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
 
     output = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
     eval_loss = None
-    if eval_ds is not None:
-        eval_loss = float(trainer.evaluate()["eval_loss"])
+    if eval_ds is not None:  # the final evaluation, unless the schedule just did it
+        done = [h for h in trainer.state.log_history
+                if "eval_loss" in h and h.get("step") == trainer.state.global_step]
+        eval_loss = float(done[-1]["eval_loss"] if done else trainer.evaluate()["eval_loss"])
 
     from memfit.distributed.engine import is_sharded, save_trained
 
