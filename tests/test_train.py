@@ -139,6 +139,8 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
     with pytest.raises(_Crash):
         train(make_run(assets, tmp_path / "b", **kw), callbacks=[_crash_after(5)])
     assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-3"]
+    with pytest.raises(MemfitError, match="checkpoints of an earlier run.*--resume"):
+        train(make_run(assets, tmp_path / "b", **kw))  # a fresh run would mix with the old checkpoints
     resumed = train(make_run(assets, tmp_path / "b", **kw), resume=True)
     assert resumed.resumed_from.endswith("checkpoint-3") and resumed.steps == 8
     a = load_file(str(Path(full.saved_to) / "adapter_model.safetensors"))

@@ -159,7 +159,7 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
 
     from memfit.spec.run import save_run
     from memfit.train.callbacks import MeftTraffic, MetricsWriter, StepStats, peak_memory_bytes
-    from memfit.train.checkpoint import clean_staging, latest_checkpoint
+    from memfit.train.checkpoint import checkpoints, clean_staging, latest_checkpoint
     from memfit.train.data import prepare_datasets
     from memfit.train.model import build_model, meft_api
     from memfit.train.trainer import build_trainer
@@ -172,6 +172,9 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
         raise IncompatibleError(f"strategy {run.strategy.label()} cannot run on this machine: "
                                 + "; ".join(reasons))
     ckpt = latest_checkpoint(out) if resume else None
+    if not resume and checkpoints(out):
+        raise MemfitError(f"output_dir {out} holds checkpoints of an earlier run ({checkpoints(out)[-1].name}); "
+                          "continue it with --resume, or use another output_dir (--set output_dir=...)")
     if main:
         out.mkdir(parents=True, exist_ok=True)
         clean_staging(out)
@@ -232,7 +235,7 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
         steps=trainer.state.global_step,
         first_loss=losses[0][1] if losses else None, final_loss=losses[-1][1] if losses else None,
         eval_loss=eval_loss, losses=losses, step_time_s=stats.median_step_time(),
-        tokens_per_s=stats.tokens_per_s(seen - (trainer._initial_num_input_tokens_seen or 0)),
+        tokens_per_s=stats.tokens_per_s(seen - (getattr(trainer, "_initial_num_input_tokens_seen", 0) or 0)),
         train_tokens=report.train_tokens, peak_mem_bytes=peak, peak_mem_kind=kind,
         train_runtime_s=float(output.metrics.get("train_runtime", 0.0)),
         resumed_from=str(ckpt) if ckpt else None, metrics_file=str(metrics_path),
