@@ -238,13 +238,26 @@ def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
     """The estimator's ``Estimate.to_dict()`` for ``run``, or None while no estimator is installed."""
     try:
         from memfit.estimate import estimate
-        from memfit.spec.hardware import parse_hardware
         from memfit.spec.model import resolve_model
     except ImportError:
         return None
     model = resolve_model(run.model)
-    hardware = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-    return estimate(model, hardware, run.strategy, profile=profile).to_dict()
+    return estimate(model, hardware_for(run), run.strategy, profile=profile).to_dict()
+
+
+def hardware_for(run: Any) -> Any:
+    """The run's hardware as the processes see it: on this machine's CPU every process of a
+    multi-process run is one (pseudo-)device, so 'local' with nproc=2 is a pool of two."""
+    import dataclasses
+
+    from memfit.spec.hardware import parse_hardware
+
+    hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
+    nproc = run.distributed.nproc
+    if str(run.hardware).lower() in ("local", "auto") and nproc > hw.gpus_per_node and \
+            getattr(getattr(hw, "gpu", None), "is_cpu", False):
+        hw = dataclasses.replace(hw, gpus_per_node=nproc)
+    return hw
 
 
 def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
