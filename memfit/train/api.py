@@ -196,8 +196,10 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
     metrics_path = out / METRICS_FILE
     if run.strategy.method == "meft":
         meft = meft_api()
+        # The Trainer's own clipping only sees device parameters: the MEFT optimizer clips the CPU tables too.
         optimizer = meft.build_meft_optimizer(model, lr=run.training.learning_rate,
-                                              weight_decay=run.training.weight_decay)
+                                              weight_decay=run.training.weight_decay,
+                                              max_grad_norm=run.training.max_grad_norm or None)
         cbs.append(MeftTraffic(model, meft.traffic))  # before the writer: it adds to each log line
     if main:
         if not resume and metrics_path.exists():
