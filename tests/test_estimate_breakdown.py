@@ -25,19 +25,23 @@ def test_full_bf16_sdpa():
     g = est.gpu
     assert TINY.parameters == 86_848
     assert g["weights"] == 2 * 86_848 and g["gradients"] == 2 * 86_848 and g["optimizer"] == 12 * 86_848
-    # per token per layer: 2 RMSNorms (4 + 2)*64 = 768; 2 B x (q 64 + k 32 + v 32 + attn out 2*64
-    # + SwiGLU 4*128) = 1536; fp32 log-sum-exp 4 B x 4 heads = 16 -> 2320; x 8 tokens x 2 layers = 37,120
-    # tail: final norm 6*64 + head input 2*64 = 512 per token x 8 = 4,096 -> 41,216
-    assert g["activations"] == 41_216
+    # DeepSpeed runs the module in bf16 (no autocast): e = r = 2. Per token per layer: 2 RMSNorms with
+    # trained weights, fp32 input copy + bf16 normalised value (4 + 2)*64 = 384 each; their outputs,
+    # shared by q/k/v and by gate/up, 2*64 each -> 1024; SDPA: 2 B x (q 64 + k 32 + v 32 + output 64)
+    # + fp32 log-sum-exp 4 x 4 heads = 400; SwiGLU gate, act, up, product 2 x 4*128 = 1024 -> 2448;
+    # x 8 tokens x 2 layers = 39,168. Tail: final norm 6*64 + head input 2*64 = 512 x 8 = 4,096.
+    # One layer's backward: residual gradient 2*64 + MLP gradients 2 x 2*128 = 640 x 8 = 5,120 -> 48,384
+    assert g["activations"] == 48_384
     assert g["logits"] == 8 * 100 * 12  # fp32 log-softmax 4 + two fp32 grads 8 per logit
     # ZeRO-1: 2 reduce buckets of min(h², P) = 4096 elements x 2 B
     assert g["comm_buffers"] == 2 * 2 * 4096 and g["gathered_params"] == 0
     # live only in the optimizer step: the all-gather bucket min(2e8, P) x 2 B + DeepSpeed's fp32 copy of
     # the 16-bit gradient partition 4 B x P (one GPU)
     assert g["step_temporaries"] == 2 * 86_848 + 4 * 86_848
-    # what is live at once: A (loss) = activations 41,216 + logits 9,600 = 50,816; C (step) = gradients
-    # 173,696 + step temporaries 521,088 = 694,784 is the peak
-    lines = 2 * 86_848 + 41_216 + 9_600 + 6 * 86_848
+    # what is live at once: A (loss) = saved 39,168 + tail 4,096 + logits 9,600 = 52,864; last layer's
+    # backward 39,168 + 5,120 + its and the head's grads; C (step) = gradients 173,696 + step
+    # temporaries 521,088 = 694,784 is the peak
+    lines = 2 * 86_848 + 48_384 + 9_600 + 6 * 86_848
     assert g["peak_concurrency"] == 694_784 - lines
     formula = 2 * 86_848 + 12 * 86_848 + 16_384 + 694_784
     assert g["overhead"] == pytest.approx(1e6 + 0.1 * formula)
@@ -51,15 +55,21 @@ def test_ddp_autocast_states():
 
 
 def test_eager_adds_scores_and_expanded_kv():
-    # q,k,v expanded to 3*64 (+64 elements = +128 B vs sdpa), no lse (-16): 2432 per token;
-    # scores 4 heads x 8 x 8 x (fp32 softmax 4 + bf16 copy 2) = 1536 per layer
-    # (8*2432 + 1536) * 2 layers + tail 4096 = 46,080
-    assert run(attention="eager").gpu["activations"] == 46_080
+    # DDP under autocast: e = 2, fp32 residual r = 4. Per token per layer: 2 RMSNorms (4 + 4)*64 = 1024,
+    # their outputs cast to bf16 by each linear that saves them: q, k, v 3 x 2*64 + gate, up 2 x 2*64 = 640;
+    # eager: q and k, v expanded to 4 heads 2 x 3*64 = 384 + o_proj's contiguous input 2*64 = 128;
+    # SwiGLU 2 x 4*128 = 1024 -> 3200; scores 4 heads x 8 x 8 x (fp32 softmax 4 + bf16 copy 2) = 1536
+    # per layer: (8*3200 + 1536) x 2 = 54,272; tail (4 + 4)*64 + 2*64 = 640 x 8 = 5,120; backward:
+    # residual gradient 4*64 + max(MLP 2 x 2*128, eager's 4 x 8 x 8 x (8 - 2) - the MLP side, < 0)
+    # = 768 x 8 = 6,144 -> 65,536
+    assert run(attention="eager").gpu["activations"] == 65_536
 
 
 def test_checkpointing():
-    # layer inputs 2 layers x 2 B x 8 x 64 = 2048 + one layer's working set 8*2320 = 18,560 + tail 4096
-    assert run(gradient_checkpointing=True).gpu["activations"] == 2048 + 18_560 + 4096
+    # autocast: layer inputs in fp32 2 layers x 4 B x 8 x 64 = 4096; one layer's working set: per token
+    # norms 1664 (as above) + SDPA 2 x (64 + 32 + 32 + 64) + 16 = 400 + SwiGLU 1024 = 3088, less the
+    # first norm's input (the layer input itself, 4*64): 8 x 2832 = 22,656; tail 5,120; backward 6,144
+    assert run(gradient_checkpointing=True).gpu["activations"] == 4096 + 22_656 + 5120 + 6144
 
 
 def test_lora_counts_and_intermediates():
@@ -88,23 +98,26 @@ def test_fp32_everything_fp32():
     est = run(precision="fp32")
     g = est.gpu
     assert (g["weights"], g["gradients"], g["optimizer"]) == (4 * 86_848, 4 * 86_848, 8 * 86_848)
-    # norms (4+4)*64*2 = 1024; 4 B x 768 = 3072; lse 16 -> 4112 per token; x16 = 65,792; tail 8*(512+256)
-    assert g["activations"] == 65_792 + 8 * (8 * 64 + 4 * 64)
+    # per token per layer: norms (4 + 4)*64 x 2 + shared outputs 4*64 x 2 = 1536; SDPA 4 x (64 + 32 + 32
+    # + 64) + 16 = 784; SwiGLU 4 x 4*128 = 2048 -> 4368; x 16 = 69,888; tail 8 x (512 + 256) = 6,144;
+    # backward 8 x (residual gradient 4*64 + MLP gradients 2 x 4*128) = 10,240
+    assert g["activations"] == 69_888 + 6144 + 10_240
     assert g["logits"] == 8 * 100 * 12
 
 
 def test_peak_concurrency_with_checkpointing():
     # DDP frees .grad each step, fp32, checkpointing, no optimizer temporaries (PROFILE):
     # grads 4P = 347,392 (built up during backward); inputs 2 layers x 4 B x 8 x 64 = 4096;
-    # recomputed layer 8 x 4112 = 32,896; tail 8 x (8*64 + 4*64) = 6144; logits 800 x 12 = 9,600
+    # recomputed layer 8 x (4368 - its input 256) = 32,896; tail 6,144; backward 10,240; logits 9,600
     g = run(precision="fp32", gradient_checkpointing=True).gpu
-    assert g["activations"] == 4096 + 32_896 + 6144
-    # A (loss) = 4096 + 6144 + 9,600 = 19,840; B1 (last layer recomputes) = 6144 + 32,896 + 4096
-    # + 0.25 x 9,600 = 45,536; B2 (first layer) = 32,896 + 347,392 = 380,288 <- the peak
-    lines = 347_392 + 43_136 + 9_600
-    assert g["peak_concurrency"] == 380_288 - lines
+    assert g["activations"] == 4096 + 32_896 + 6144 + 10_240
+    # A (loss) = 4096 + 6144 + 9,600 = 19,840; B1 (last layer recomputes) = 32,896 + 10,240 + 4096
+    # + its and the head's grads 4 x (36,992 + 6,400) = 173,568 -> 220,800; B2 (first layer) = 32,896
+    # + 10,240 + its input 2048 + all grads 347,392 = 392,576 <- the peak
+    lines = 347_392 + 53_376 + 9_600
+    assert g["peak_concurrency"] == 392_576 - lines
     static = g["weights"] + g["optimizer"]
-    assert g["total"] - g["overhead"] == pytest.approx(static + 380_288)
+    assert g["total"] - g["overhead"] == pytest.approx(static + 392_576)
 
 
 def test_qlora_weights():

@@ -45,7 +45,7 @@ class Profile:
     activation_korthikanti: float = 0.0  # 1.0 = use the GPT-style s·b·h·(34 + 5as/h) count instead of the derived one
     logits_bytes_16bit: float = 12.0  # bytes per logit at the loss peak: fp32 log-softmax 4 + two fp32 grads 8 (the trainer drops the half logits before backward)
     logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
-    logits_live_during_recompute: float = 0.25  # with checkpointing: fraction of the logits line still live while the last layer recomputes (fitted, bench/estimate_vs_probe.py)
+    logits_live_during_recompute: float = 0.0  # with checkpointing: fraction of the logits line still live while the last layer recomputes (traced: none, the loss's backward has run)
     optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
     optimizer_step_temp_bytes_gpu: float = 0.0  # GPUs: fused AdamW (the HF Trainer's default on CUDA) updates in place
     zero_fp32_grad_bytes: float = 4.0  # DeepSpeed 16-bit training: fp32 copy of the local gradient partition for the step

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from memfit.estimate import activations as A
 from memfit.estimate import memory as M
 from memfit.estimate import timing as T
 from memfit.estimate.constants import DEFAULT_PROFILE, Profile
@@ -133,15 +134,22 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- activations, logits, adapters -------------------------------------------------------------
     gc = st.gradient_checkpointing
     attention = st.attention
-    act_in, act_layers, act_tail = M.activation_parts(model, s, b, e, attention, gc, p)
-    acts = act_in + act_layers + act_tail
+    # pure bf16: lora_A saves PEFT's fp32 cast of its input; under autocast and in fp32 it reads the
+    # base linear's input (shared, or autocast's own 16-bit copy: counted with the activations)
+    cast_copy = 4.0 if adapter_fp32 and prec == "bf16" else 0.0
+    # torch autocast (fp32 weights and residual stream, 16-bit matmuls) is how plain DDP runs mixed
+    # precision; DeepSpeed and FSDP's MixedPrecision hold 16-bit parameters, so activations are 16-bit
+    autocast = prec.endswith("-mixed") and family == "ddp"
+    adapted = M.numbers(model).lora_sums(targets)[2] if adapter_params else frozenset()
+    act_in, act_layers, act_tail, act_bwd = A.activation_parts(
+        model, s, b, e, attention, gc, p, method=method, adapted=adapted,
+        shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast)
+    acts = act_in + act_layers + act_tail + act_bwd
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
-                                             # pure bf16: lora_A saves PEFT's fp32 cast of its input; under
-                                             # autocast the bf16 input is shared (CPU probe, tiny Llama)
-                                             cast_copy=4.0 if adapter_fp32 and prec == "bf16" else 0.0)
+                                             cast_copy=cast_copy)
     meft_buf = meft_acts = 0.0
     rows = 0.0
     if method == "meft":  # fixed device buffers + the per-layer adapter scores saved for backward
@@ -185,14 +193,24 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     adapter_acts = lora_int + meft_acts
     g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
     g_free = grads - g_keep
-    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + (0.0 if gc else act_layers + adapter_acts)
+    # act_bwd: one layer's backward working memory (eager's score gradients; + the causal mask that
+    # checkpointing keeps as a layer input, live from the forward on)
+    mask = float(b) * s * s * (4.0 if (e == 4.0 or autocast) else e) if gc and attention == "eager" else 0.0
+    mask = min(mask, act_bwd)
+    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + mask + (0.0 if gc else act_layers + adapter_acts)
     phase = phase_a
+    # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
+    # or one layer's adapters
+    last = (nums.layer_params + model.head_parameters) / P if method == "full" else 1.0 / model.layers
+    g_last = g_free * min(1.0, last)
     if gc:
-        working = act_layers + adapter_acts
-        phase = max(phase, g_keep + act_tail + working + act_in + p.logits_live_during_recompute * logits,
-                    g_keep + working + g_free)
-    else:  # backward reaching the first layer: its saved activations + nearly all gradients
-        phase = max(phase, g_keep + (act_layers + adapter_acts) / model.layers + g_free)
+        working = act_layers + adapter_acts + act_bwd
+        # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
+        phase = max(phase, g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last,
+                    g_keep + working + act_in / model.layers + g_free)
+    else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
+        phase = max(phase, g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + g_last,
+                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + g_free)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
     step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)

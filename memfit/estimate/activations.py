@@ -1,0 +1,154 @@
+"""Activation memory of a decoder layer: what autograd saves, and what one layer's backward adds.
+
+Derived from the Hugging Face blocks and checked tensor by tensor against a traced step
+(``memfit.measure.trace``, FakeTensorMode; saved tensors listed per autograd node). The rules:
+
+- A linear saves its input only if its weight is trained (full fine-tuning) or it carries a LoRA adapter
+  that reads the same tensor (no ``lora_dropout``, no PEFT dtype cast: otherwise the adapter saves its
+  own copy, counted in ``lora_intermediates``). A frozen linear without adapter saves nothing.
+- Under autocast each such linear casts an fp32 input (a norm's output) to 16-bit itself, so every one
+  saves its own copy; a 16-bit input (the attention output, the MLP product) is shared.
+- RMSNorm saves its fp32 input copy; with a trained weight also the normalised value (residual dtype);
+  its output only through the linears that save it. LayerNorm saves its input.
+- SDPA/flash save q, k, v at their own (GQA) size, the output and a fp32 log-sum-exp per head;
+  eager expands k/v to all heads, keeps the fp32 softmax (+ its 16-bit cast) and its output copy only
+  for an o_proj that saves it. A gated MLP saves gate, act(gate), up (+ their product for a down_proj
+  that saves it); a GeLU MLP its pre-activation (+ the activation).
+- Backward of one layer holds, beyond its saved tensors, the incoming residual gradient and either
+  the MLP's gradients or eager attention's score gradient and softmax-backward output (the saved
+  16-bit cast is freed by then, and so is everything the MLP side saved); with checkpointing eager's
+  causal mask (b·s², residual dtype) is a checkpoint input, live until backward ends.
+
+Notation: e = bytes of a compute-dtype value (2 in 16-bit, 4 in fp32); r = bytes of the residual stream
+(4 in fp32 and under autocast, e in pure 16-bit).
+"""
+
+from __future__ import annotations
+
+from memfit.estimate.constants import Profile
+from memfit.spec.model import ModelSpec
+
+# what a decoder-layer linear reads: a norm's output (attn_in, mlp_in), the attention output, the MLP product
+ROLES = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "query_key_value": "attn_in",
+         "o_proj": "attn_out", "dense": "attn_out",
+         "gate_proj": "mlp_in", "up_proj": "mlp_in", "dense_h_to_4h": "mlp_in",
+         "down_proj": "mlp_out", "dense_4h_to_h": "mlp_out"}
+_CACHE: dict = {}
+
+
+def savers(model: ModelSpec, method: str, adapted: frozenset, shares: bool) -> tuple[int, int, int, int, int]:
+    """Linears per role that save their input: (attn_in, attn_out, mlp_in, mlp_out, head)."""
+    key = (id(model), method, adapted, shares)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    counts = {"attn_in": 0, "attn_out": 0, "mlp_in": 0, "mlp_out": 0}
+    for lin in model.linears:
+        role = ROLES.get(lin.name, "mlp_in")
+        if method == "full" or (method in ("lora", "qlora") and shares and lin.name in adapted):
+            counts[role] += 1
+    out = (counts["attn_in"], counts["attn_out"], counts["mlp_in"], counts["mlp_out"], int(method == "full"))
+    _CACHE[key] = (model, out)
+    return out
+
+
+def norm_input_bytes(model: ModelSpec, r: float, trained: bool) -> float:
+    """Per token: RMSNorm's fp32 input copy (+ the normalised value when its weight is trained);
+    LayerNorm's input (its backward recomputes the rest from mean and rstd)."""
+    if model.norm == "rmsnorm":
+        return model.hidden * (4.0 + (r if trained else 0.0))
+    return model.hidden * r
+
+
+def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, sv: tuple, autocast: bool,
+                          trained_norms: bool) -> tuple[float, float, float]:
+    """(bytes per token, of which freed before attention's backward, bytes per query-key pair and head)
+    one layer saves for backward. The second figure is what the MLP side (its norm, the MLP, o_proj's
+    input) saves: backward has used and freed it when it reaches the attention."""
+    h, q, kv, f = model.hidden, model.q_dim, model.kv_dim, model.intermediate
+    attn_in, attn_out, mlp_in, mlp_out, _ = sv
+
+    def out(count: int) -> float:  # a norm's output as the linears reading it save it
+        return 0.0 if count == 0 else h * (e * count if autocast else e)
+
+    norm_in = norm_input_bytes(model, r, trained_norms)
+    if model.norms_per_layer == 1:  # parallel attention: one norm feeds attention and MLP
+        attn_side, mlp_side = norm_in + out(attn_in + mlp_in), 0.0
+    else:
+        attn_side = norm_in + out(attn_in) + (model.norms_per_layer - 2) * norm_in
+        mlp_side = norm_in + out(mlp_in)
+    if model.qk_norm:  # per-head RMSNorm on q and k
+        attn_side += (4.0 + (r if trained_norms else 0.0)) * (q + kv)
+    score = 0.0
+    if attention == "eager":
+        attn_side += e * 3 * q  # q and k, v expanded to all heads (repeat_kv)
+        mlp_side += e * q if attn_out else 0.0  # the contiguous output copy o_proj saves
+        if model.family == "falcon":  # Falcon's eager softmax runs in the compute dtype
+            score = e
+        else:  # fp32 softmax, cast back to the compute dtype (no cast in fp32)
+            score = 4.0 + (e if e != 4.0 else 0.0)
+        score += (1.0 + e) if model.attention_dropout > 0 else 0.0
+    else:
+        attn_side += e * (q + 2 * kv) + e * q + 4.0 * model.heads  # q, k, v, output, fp32 log-sum-exp
+    gated = model.mlp in ("swiglu", "geglu")
+    mlp_side += e * f * ((3 if gated else 1) + (1 if mlp_out else 0))
+    if model.hidden_dropout > 0:
+        mlp_side += (1 + e) * 2 * h
+    return attn_side + mlp_side, mlp_side, score
+
+
+def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, attention: str,
+                         mlp_side: float) -> float:
+    """What one layer's backward holds beyond its saved tensors, at its largest: the incoming residual
+    gradient (r·h per token) + the larger of the MLP's gradients (gated: the product's gradient and
+    those of act and up, less the freed product, 2·e·f; GeLU e·f) and eager attention's two s² tensors
+    (fp32 score gradient + softmax backward's output; the 16-bit cast is freed) less the MLP side,
+    already freed by then."""
+    tokens = float(b) * s
+    mlp = tokens * e * model.intermediate * (2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
+    eager = 0.0
+    if attention == "eager":
+        per = 2.0 * e if model.family == "falcon" else 8.0 - (e if e != 4.0 else 0.0)
+        eager = tokens * model.heads * s * per - tokens * mlp_side
+    return tokens * r * model.hidden + max(mlp, eager)
+
+
+def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) -> float:
+    """GPT-style count (Korthikanti et al. 2022, eq. 1): s·b·h·(34 + 5·a·s/h); fused kernels drop the s² term."""
+    h = model.hidden
+    base = 34.0 * s * b * h
+    return base + (5.0 * model.heads * s * s * b if attention == "eager" else 0.0)
+
+
+def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
+                     profile: Profile, method: str = "full", adapted: frozenset = frozenset(),
+                     shares: bool = True, autocast: bool = False) -> tuple[float, float, float, float]:
+    """(checkpointed layer inputs, layers' saved working sets, tail, backward transients) in bytes.
+
+    Without checkpointing every layer's saved tensors are live at the start of backward (layer 0 of a
+    frozen model saves no norm input: its input needs no gradient). With checkpointing each layer keeps
+    its input (r·s·b·h) and ``checkpoint_extra_layers`` layers' working set is live during recomputation.
+    The tail is the final norm (+ the head's input when the head is trained). The transients are one
+    layer's backward working memory (+ eager attention's causal mask under checkpointing)."""
+    scale = profile.activation_scale
+    r = 4.0 if (e == 4.0 or autocast) else e
+    if profile.activation_korthikanti:
+        return (model.layers * e * b * s * model.hidden * scale if checkpointing else 0.0,
+                (profile.checkpoint_extra_layers if checkpointing else model.layers)
+                * korthikanti_layer_bytes(model, s, b, attention) * scale, 0.0, 0.0)
+    sv = savers(model, method, adapted, shares)
+    trained = method == "full"
+    per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained)
+    layer = b * s * per_tok + b * model.heads * float(s) * s * score
+    tail = b * s * (norm_input_bytes(model, r, trained) + (e * model.hidden if sv[4] else 0.0))
+    extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side)
+    # the first norm's input is the layer input itself when no cast is needed (fp32 RMSNorm, LayerNorm)
+    same = b * s * model.hidden * (r if model.norm != "rmsnorm" else (4.0 if r == 4.0 else 0.0))
+    if checkpointing:
+        if attention == "eager":  # the causal mask is a checkpoint input: live until backward ends
+            extra += float(b) * s * s * r
+        return (model.layers * r * b * s * model.hidden * scale,
+                profile.checkpoint_extra_layers * (layer - same) * scale, tail * scale, extra * scale)
+    # layer 0 of a frozen model saves no norm input: its input needs no gradient
+    first = 0.0 if trained else b * s * (4.0 * model.hidden if model.norm == "rmsnorm" else r * model.hidden)
+    return 0.0, (model.layers * layer - first) * scale, tail * scale, extra * scale
