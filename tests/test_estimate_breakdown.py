@@ -83,12 +83,19 @@ def test_lora_counts_and_intermediates():
     # per adapted linear and token: rank intermediate 2*4 + dropped input copy and mask (2+1)*64 = 200;
     # 2 linears x 8 tokens x 2 layers = 6400
     assert g["lora_intermediates"] == 6400
-    # no dropout, autocast: only the rank intermediate 2*4 per linear (the bf16 input is shared)
+    # no dropout, autocast: the rank intermediate 2*4 + autocast's bf16 copy of PEFT's fp32 cast of the
+    # input 2*64 per linear (traced: the fp32 adapters make PEFT cast, autocast casts back for the matmul)
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"),
-               lora_dropout=0.0).gpu["lora_intermediates"] == 8 * 2 * 8 * 2
-    # pure bf16: lora_A saves PEFT's fp32 cast of its input, 4*64 per linear
+               lora_dropout=0.0).gpu["lora_intermediates"] == (8 + 128) * 2 * 8 * 2
+    # pure bf16: lora_A saves PEFT's fp32 cast of its input, 4*64, and its rank output is fp32, 4*4
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), precision="bf16",
-               lora_dropout=0.0).gpu["lora_intermediates"] == (8 + 256) * 2 * 8 * 2
+               lora_dropout=0.0).gpu["lora_intermediates"] == (16 + 256) * 2 * 8 * 2
+    # with dropout on the CPU pseudo-device the mask is a noise tensor of the dropout's dtype (fp32 after
+    # PEFT's cast): per linear 4*4 + (4 + 4)*64 = 528
+    cpu = estimate(TINY, parse_hardware("CPU", cpu_ram="64GB"),
+                   Strategy(**{**BASE, "method": "lora", "lora_r": 4, "lora_targets": ("q_proj", "v_proj"),
+                               "precision": "bf16", "lora_dropout": 0.1}), profile=PROFILE)
+    assert cpu.gpu["lora_intermediates"] == 528 * 2 * 8 * 2
     # under DeepSpeed the adapters are bf16 like the rest: no cast copy
     assert run(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj"), zero_stage=2,
                lora_dropout=0.0).gpu["lora_intermediates"] == 8 * 2 * 8 * 2

@@ -98,14 +98,15 @@ def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, 
 
 
 def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, attention: str,
-                         mlp_side: float) -> float:
+                         mlp_side: float, adapter_grad: float = 0.0) -> float:
     """What one layer's backward holds beyond its saved tensors, at its largest: the incoming residual
     gradient (r·h per token) + the larger of the MLP's gradients (gated: the product's gradient and
     those of act and up, less the freed product, 2·e·f; GeLU e·f) and eager attention's two s² tensors
     (fp32 score gradient + softmax backward's output; the 16-bit cast is freed) less the MLP side,
-    already freed by then."""
+    already freed by then. ``adapter_grad``: bytes per token of the gradient of a cast adapter input
+    (fp32 LoRA on a 16-bit base) that the MLP's backward adds."""
     tokens = float(b) * s
-    mlp = tokens * e * model.intermediate * (2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
+    mlp = tokens * (e * model.intermediate * (2.0 if model.mlp in ("swiglu", "geglu") else 1.0) + adapter_grad)
     eager = 0.0
     if attention == "eager":
         per = 2.0 * e if model.family == "falcon" else 8.0 - (e if e != 4.0 else 0.0)
@@ -122,7 +123,8 @@ def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) ->
 
 def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
                      profile: Profile, method: str = "full", adapted: frozenset = frozenset(),
-                     shares: bool = True, autocast: bool = False) -> tuple[float, float, float, float]:
+                     shares: bool = True, autocast: bool = False,
+                     adapter_grad: float = 0.0) -> tuple[float, float, float, float]:
     """(checkpointed layer inputs, layers' saved working sets, tail, backward transients) in bytes.
 
     Without checkpointing every layer's saved tensors are live at the start of backward (layer 0 of a
@@ -141,7 +143,7 @@ def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str,
     per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained)
     layer = b * s * per_tok + b * model.heads * float(s) * s * score
     tail = b * s * (norm_input_bytes(model, r, trained) + (e * model.hidden if sv[4] else 0.0))
-    extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side)
+    extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side, adapter_grad)
     # the first norm's input is the layer input itself when no cast is needed (fp32 RMSNorm, LayerNorm)
     same = b * s * model.hidden * (r if model.norm != "rmsnorm" else (4.0 if r == 4.0 else 0.0))
     if checkpointing:

@@ -134,22 +134,29 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- activations, logits, adapters -------------------------------------------------------------
     gc = st.gradient_checkpointing
     attention = st.attention
-    # pure bf16: lora_A saves PEFT's fp32 cast of its input; under autocast and in fp32 it reads the
-    # base linear's input (shared, or autocast's own 16-bit copy: counted with the activations)
-    cast_copy = 4.0 if adapter_fp32 and prec == "bf16" else 0.0
-    # torch autocast (fp32 weights and residual stream, 16-bit matmuls) is how plain DDP runs mixed
-    # precision; DeepSpeed and FSDP's MixedPrecision hold 16-bit parameters, so activations are 16-bit
-    autocast = prec.endswith("-mixed") and family == "ddp"
+    # fp32 adapters on a 16-bit base: PEFT casts lora_A's input to fp32; lora_A saves that copy in pure
+    # bf16, or autocast's 16-bit copy of it under mixed precision (traced). In fp32, and where the engine
+    # holds the adapters in 16-bit (DeepSpeed, FSDP), lora_A reads the base linear's input.
+    cast_copy = (4.0 if prec == "bf16" else 2.0) if adapter_fp32 and family == "ddp" else 0.0
+    # torch autocast on fp32 weights (full fine-tuning under plain DDP, as the HF Trainer runs it): fp32
+    # residual stream, every linear casts its input to 16-bit itself. Adapter methods load the base in
+    # 16-bit and DeepSpeed / FSDP's MixedPrecision hold 16-bit parameters: 16-bit activations.
+    autocast = prec.endswith("-mixed") and family == "ddp" and method == "full"
     adapted = M.numbers(model).lora_sums(targets)[2] if adapter_params else frozenset()
+    # backward through a cast adapter path: the gradient of lora_A's cast input, at its widest
+    widest = max((lin.in_features for lin in model.linears if lin.name in adapted), default=0)
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,
-        shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast)
+        shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest)
     acts = act_in + act_layers + act_tail + act_bwd
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
-                                             cast_copy=cast_copy)
+                                             cast_copy=cast_copy,
+                                             # dropout runs after PEFT's fp32 cast; on CPU its mask is a
+                                             # noise tensor of that dtype, CUDA's fused kernel keeps 1 byte
+                                             mask_bytes=(4.0 if cast_copy else e) if gpu.is_cpu else 1.0)
     meft_buf = meft_acts = 0.0
     rows = 0.0
     if method == "meft":  # fixed device buffers + the per-layer adapter scores saved for backward

@@ -81,15 +81,18 @@ def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Prof
 
 
 def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,
-                            checkpointing: bool, profile: Profile, cast_copy: float = 0.0) -> float:
-    """Per adapted linear: the rank-r intermediate (e·s·b·r) and the input lora_A saves when it is its
-    own copy: with lora_dropout > 0 the dropped copy (or PEFT's fp32 cast of it, ``cast_copy`` bytes per
-    value, in pure bf16) and its 1-byte mask; without dropout the cast copy, else nothing (lora_A reads
-    the base linear's input: counted with the activations). With checkpointing only the recomputed
-    layer(s)."""
+                            checkpointing: bool, profile: Profile, cast_copy: float = 0.0,
+                            mask_bytes: float = 1.0) -> float:
+    """Per adapted linear: the rank-r intermediate (s·b·r, fp32 when PEFT casts to fp32 adapters in pure
+    bf16) and the input lora_A saves when it is its own copy: with lora_dropout > 0 the dropped copy (or
+    the cast of it, ``cast_copy`` bytes per value) and the dropout mask (``mask_bytes``: a 1-byte mask
+    from CUDA's fused dropout, a noise tensor in the input's dtype on CPU); without dropout the cast
+    copy, else nothing (lora_A reads the base linear's input: counted with the activations). With
+    checkpointing only the recomputed layer(s)."""
     count, sum_in, _ = numbers(model).lora_sums(targets)
-    copy = ((cast_copy or e) + 1.0) if dropout > 0 else cast_copy
-    per_layer = (count * e * r + copy * sum_in) * b * s
+    copy = ((cast_copy or e) + mask_bytes) if dropout > 0 else cast_copy
+    rank = 4.0 if cast_copy == 4.0 else e
+    per_layer = (count * rank * r + copy * sum_in) * b * s
     layers = profile.checkpoint_extra_layers if checkpointing else model.layers
     return per_layer * layers
 
