@@ -150,13 +150,32 @@ def test_meft_traffic_by_hand():
     st = Strategy(**{**BASE, "method": "meft", "meft_neurons": 16, "meft_top_k": 2, "seq_len": 4})
     prof = Profile(meft_buffer_fraction=0.25)
     t = meft_traffic_bytes(TINY, st, prof)
-    # rows = min(0.25*16, K*b*s = 8, 16) = 4; per layer H2D 2*d*rows fp32 = 2*64*4*4 = 2048 -> x2 layers
-    assert t["h2d"] == 4096
-    # D2H: hidden b*s*d in bf16 = 4*64*2 = 512 per layer -> 1024, + gradients same as H2D 4096
-    assert t["d2h"] == 1024 + 4096
+    # memfit.meft: buffer rows = max(K, ceil(16/4)) = 4; rows used = min(4, K*b*s = 8) = 4; experts
+    # auto = ceil(sqrt(16)) = 4, so a router. Per layer H2D: key + value rows in the buffer dtype (the
+    # activations', bf16) 2*64*4*2 = 1024 + buffer positions b*s*K int32 4*2*4 = 32 + row ids 4 x 8 = 32
+    assert t["h2d"] == 2 * (1024 + 32 + 32)
+    # D2H per layer: hidden states 4*64*2 = 512 + probed expert ids 4 tokens x n_probe 8 x 8 B = 256
+    # + slice gradients 1024
+    assert t["d2h"] == 2 * (512 + 256 + 1024)
     est = estimate(TINY, GPU1, st, profile=prof)
-    assert est.cpu["meft_store"] == 2 * 2 * 16 * 64 * 16  # W_K, W_V x layers x neurons x h x (param+grad+2 Adam) fp32
-    assert est.to_dict()["traffic"]["h2d"] == 4096
+    # W_K, W_V x neurons x h x (param + grad + 2 Adam moments) fp32 + per neuron a touched flag and two
+    # int64 step counters + 4 staging tables of 4 rows x h x 2 B, per layer
+    host = 2 * (2 * 16 * 64 * 16 + 16 * 17 + 4 * 4 * 64 * 2)
+    assert est.cpu["meft_store"] == host
+    assert est.cpu["pinned_buffers"] == 0  # MEFT's pinned staging is that explicit line
+    assert est.to_dict()["traffic"]["h2d"] == 2176
+    # device: one buffer pair per layer 2 x (4 rows x 64 x 2 tables x 2 B) = 2048; saved per token and
+    # layer: x 2*64 + activations 4 rows x 2 B + gates 4 x 4 B + the router's fp32 copy of x 4*64 = 408
+    # x 4 tokens x 2 layers = 3264
+    assert est.gpu["meft_buffers"] == 2048 + 3264
+    # the CPU as the device: the store lives in the RAM the allocator measures, so it joins the device line
+    cpu = estimate(TINY, parse_hardware("CPU", cpu_ram="64GB"), st, profile=prof)
+    assert cpu.cpu["meft_store"] == 0
+    assert cpu.gpu["meft_buffers"] == 2048 + 3264 + host
+    # checkpointing: each layer's forward runs twice (both pass over the PCIe), and backward reloads the
+    # first forward's rows (the recomputation refilled the buffers): H2D 2 x 1088 + 1024 per layer
+    gc = meft_traffic_bytes(TINY, st.model_copy(update={"gradient_checkpointing": True}), prof)
+    assert gc["h2d"] == 2 * (2 * 1088 + 1024) and gc["d2h"] == 2 * (2 * (512 + 256) + 1024)
     # experts auto = ceil(sqrt(16)) = 4: router 64 x 4 per layer, trained on the GPU
     assert est.gpu["gradients"] == 4 * 2 * 64 * 4  # fp32 grads under autocast
     assert est.trainable_parameters == 2 * 64 * 4 + 2 * 2 * 16 * 64

@@ -68,11 +68,13 @@ class Profile:
     nf4_absmax_bytes_double_quant: float = 0.0159  # 8-bit absmax per block + fp32 per 256 blocks (QLoRA paper)
     qlora_fp32_upcast: float = 1.0  # 1.0: prepare_model_for_kbit_training upcasts non-quantised params (embeddings, head, norms) to fp32
     # ---- MEFT -------------------------------------------------------------------------------------
-    meft_live_buffers: float = 2.0  # device buffer sets alive at once (current layer + look-ahead)
-    meft_buffer_fraction: float = 0.26  # device buffer rows as a fraction of neurons; seed 002's 0.56·M values/batch (LLaMA-7B, r=6144, b=2, s=256) implies ~26 %
-    meft_param_transfer_bytes: float = 4.0  # bytes per adapter value moved H2D / gradient moved D2H (fp32 tables)
+    meft_live_buffers: float = 0.0  # device buffer sets (keys + values) allocated; 0 = one per decoder layer, as memfit.meft does (a Transfer per adapter)
+    meft_buffer_fraction: float = 0.25  # device buffer rows per layer as a fraction of neurons (memfit.meft's default buffer_size: max(top_k, ceil(neurons/4))); seed 002's ~0.56·M values/batch implies ~26 %
+    meft_param_transfer_bytes: float = 0.0  # bytes per adapter value moved H2D / gradient moved D2H; 0 = the buffer dtype, the activations' (memfit.meft's buffer_dtype="auto")
     # ---- CPU RAM ----------------------------------------------------------------------------------
     process_baseline_bytes: float = 2.0 * GiB  # resident size of a Python+torch(+CUDA libs) training process before the model
+    process_baseline_bytes_cpu: float = 0.6e9  # CPU pseudo-device: peak RSS − allocator peak of a CPU-only torch+transformers process (bench/measure_grid.py: 578–610 MB)
+    process_baseline_dist_cpu: float = 0.12e9  # CPU pseudo-device, world > 1: + gloo process group and engine imports per rank (bench/measure_grid.py 2-process rows: 700–750 MB)
     pinned_buffer_bytes: float = 1.0 * GiB  # pinned staging buffers per process when offloading
     checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init
     # ---- bookkeeping --------------------------------------------------------------------------------

@@ -33,17 +33,27 @@ def _targets(model: ModelSpec, strategy: Strategy):
 
 
 def meft_traffic_bytes(model: ModelSpec, strategy: Strategy, profile: Optional[Profile] = None) -> dict[str, float]:
-    """MEFT bytes per process per optimizer step: ``d2h`` = hidden states (B·l·d per layer, forward) +
-    slice gradients (2·d·β·K per layer, backward); ``h2d`` = key rows and value columns (2·d·β·K per
-    layer). β·K = rows the micro-batch activates (see memory.meft_rows)."""
+    """MEFT bytes per process per optimizer step, as memfit.meft's Transfer counts them. Per layer and
+    forward pass (twice with gradient checkpointing: the recomputation routes and loads again):
+    ``d2h`` the hidden states (b·s·d, activation dtype) and the probed expert ids (b·s·n_probe int64);
+    ``h2d`` the key rows and value rows (2·d·β·K in the buffer dtype), the tokens' buffer positions
+    (b·s·K int32) and the row ids (β·K int64). Per layer in backward, ``d2h``: the slice gradients
+    (2·d·β·K, buffer dtype), and with checkpointing one more load of the rows (``h2d``). β·K = rows the
+    micro-batch activates (see memory.meft_rows). Checked against memfit.meft's counters (tiny Llama, CPU)."""
     p = profile or DEFAULT_PROFILE
     b, s, ga = strategy.micro_batch_size, strategy.seq_len, strategy.grad_accum
     e = 4.0 if strategy.precision == "fp32" else 2.0
+    e_buf = p.meft_param_transfer_bytes or e
     rows = M.meft_rows(model, strategy.meft_neurons, strategy.meft_top_k, b, s, p)
-    d, layers = model.hidden, model.layers
-    slices = 2.0 * d * rows * p.meft_param_transfer_bytes * layers * ga
-    hidden = float(b) * s * d * e * layers * ga
-    return {"h2d": slices, "d2h": hidden + slices}
+    router = M.meft_experts(strategy.meft_neurons, strategy.meft_experts) > 1
+    d, tokens = model.hidden, float(b) * s
+    passes = 2.0 if strategy.gradient_checkpointing else 1.0
+    slices = 2.0 * d * rows * e_buf
+    h2d = passes * (slices + tokens * strategy.meft_top_k * 4.0 + (rows * 8.0 if router else 0.0))
+    if passes > 1:  # backward runs the first forward's plan; the recomputation refilled the buffers: reload
+        h2d += slices
+    d2h = passes * (tokens * d * e + (tokens * strategy.meft_n_probe * 8.0 if router else 0.0)) + slices
+    return {"h2d": h2d * model.layers * ga, "d2h": d2h * model.layers * ga}
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
@@ -66,7 +76,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     method, prec = st.method, st.precision
     engine = _ENGINE_KIND[st.engine]
     family = "fsdp" if st.fsdp else ("deepspeed" if st.zero_stage else "ddp")
-    w_b, g_b, o_b, copy_b = M.state_bytes(prec, st.optimizer, family)
+    w_b, g_b, o_b, copy_b = M.state_bytes(prec, st.optimizer, family, st.zero_stage)
     # PEFT keeps LoRA adapters in fp32 unless DeepSpeed casts the whole module to 16-bit
     adapter_fp32 = method in ("lora", "qlora") and family != "deepspeed" and prec != "fp32"
     if adapter_fp32:
@@ -157,13 +167,27 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                                              # dropout runs after PEFT's fp32 cast; on CPU its mask is a
                                              # noise tensor of that dtype, CUDA's fused kernel keeps 1 byte
                                              mask_bytes=(4.0 if cast_copy else e) if gpu.is_cpu else 1.0)
-    meft_buf = meft_acts = 0.0
+    meft_buf = meft_acts = meft_host = 0.0
     rows = 0.0
-    if method == "meft":  # fixed device buffers + the per-layer adapter scores saved for backward
+    if method == "meft":  # memfit.meft: per layer, fixed device buffers for key and value rows (in the
+        # buffer dtype) + what its autograd function saves: the FFN input x, the activations (b·s × β·K)
+        # and with a router the gates (fp32) and the router's fp32 copy of x
+        e_buf = p.meft_param_transfer_bytes or e
+        buf_rows = M.meft_buffer_rows(st.meft_neurons, st.meft_top_k, p)
         rows = M.meft_rows(model, st.meft_neurons, st.meft_top_k, b, s, p)
+        router = M.meft_experts(st.meft_neurons, st.meft_experts) > 1
+        h = model.hidden
+        per_tok = e * h + rows * e_buf + ((4.0 * rows + (4.0 * h if e != 4.0 else 0.0)) if router else 0.0)
         held = p.checkpoint_extra_layers if gc else model.layers
-        meft_acts = held * b * s * rows * e
-        meft_buf = p.meft_live_buffers * rows * model.hidden * 2.0 * e + meft_acts
+        meft_acts = held * b * s * per_tok
+        meft_buf = (p.meft_live_buffers or model.layers) * buf_rows * h * 2.0 * e_buf + meft_acts
+        # host side: W_K, W_V + gradients + 2 Adam moments in fp32 (16 B per adapter value), the row
+        # bookkeeping (touched flag, two int64 Adam step counters per neuron) and four staging tables
+        # (slices and their gradients) of buffer_rows x h per layer
+        meft_host = model.layers * (st.meft_neurons * (2.0 * h * 16.0 + 17.0) + 4.0 * buf_rows * h * e_buf)
+        if gpu.is_cpu:  # the "device" is this RAM: the store is part of what the allocator holds
+            meft_buf += meft_host
+            meft_host = 0.0
 
     # ---- engine buffers -------------------------------------------------------------------------
     h2 = float(model.hidden) ** 2
@@ -238,8 +262,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
-    meft_store = 2.0 * model.layers * st.meft_neurons * model.hidden * 16.0 if method == "meft" else 0.0
-    pinned = p.pinned_buffer_bytes if (off_opt or method == "meft") and not gpu.is_cpu else 0.0
+    meft_store = meft_host
+    pinned = p.pinned_buffer_bytes if off_opt and not gpu.is_cpu else 0.0
     steady = procs * (cpu_opt + cpu_grads + cpu_params + pinned + meft_store)
     # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
     load_b = 4.0 if prec == "fp32" or (method == "full" and prec in ("fp16-mixed", "bf16-mixed")) else 2.0
@@ -252,7 +276,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         # (QLoRA too: rank 0 reads the 16-bit checkpoint before quantising — the "140 GB" of fsdp-qlora.md)
     else:
         loading = procs * P * load_b  # every process builds a full copy before moving it to its GPU
-    baseline = procs * p.process_baseline_bytes
+    if gpu.is_cpu:  # no CUDA libraries or context; torchrun ranks add a process group and engine imports
+        baseline = procs * (p.process_baseline_bytes_cpu + (p.process_baseline_dist_cpu if n > 1 else 0.0))
+    else:
+        baseline = procs * p.process_baseline_bytes
     cpu_total = baseline + max(steady, loading)
     cpu_lines = {"process_baseline": baseline, "model_loading": loading, "offloaded_optimizer": procs * cpu_opt,
                  "offloaded_gradients": procs * cpu_grads, "offloaded_params": procs * cpu_params,

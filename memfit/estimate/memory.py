@@ -17,13 +17,16 @@ from memfit.spec.model import ModelSpec
 _OPT_STATES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
 
 
-def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tuple[float, float, float, float]:
+def state_bytes(precision: str, optimizer: str, family: str = "deepspeed",
+                zero_stage: int = 0) -> tuple[float, float, float, float]:
     """(weight, gradient, optimizer, compute copy) bytes per *trainable* parameter for an engine family.
 
     - ``deepspeed`` (ZeRO 1–3; the ZeRO paper's convention): 16-bit params and grads, the optimizer
       holds the fp32 master + states: mixed Adam 2 + 2 + 12. DeepSpeed's bf16 mode keeps an fp32
-      master too, so pure ``bf16`` counts like mixed. fp32: 4 + 4 + (4 master + states): DeepSpeed keeps
-      its flat fp32 partition apart from the module's parameters (measured on CPU with gloo).
+      master too, so pure ``bf16`` counts like mixed. fp32 under ZeRO-1/2: 4 + 4 + (4 master + states):
+      DeepSpeed keeps its flat fp32 partition apart from the module's parameters (measured on CPU with
+      gloo); fp32 under ZeRO-3: 4 + 4 + states, the partitioned parameters are the master (no copy:
+      bench/distributed_memory.py measured 18.9 MB where a copy would make 25.2 MB).
     - ``ddp`` (torch autocast, as the HF Trainer runs it): fp32 params and grads + states; autocast's
       16-bit copy of every trainable weight is saved for backward (``compute copy`` = 2 B, counted
       under weights). Pure bf16: 2 + 2 + states in bf16 (Adam 4).
@@ -31,8 +34,10 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed") -> tu
       compute copy exists only while gathered (gathered_params / shard_grad_op's unsharded copy).
     """
     states = _OPT_STATES[optimizer]
-    if family == "deepspeed":  # a separate flat fp32 master partition, even when training in fp32
-        return (4.0, 4.0, 4.0 + states, 0.0) if precision == "fp32" else (2.0, 2.0, 4.0 + states, 0.0)
+    if family == "deepspeed":  # a separate flat fp32 master partition (in fp32 too, except ZeRO-3)
+        if precision == "fp32":
+            return 4.0, 4.0, states + (0.0 if zero_stage == 3 else 4.0), 0.0
+        return 2.0, 2.0, 4.0 + states, 0.0
     if precision == "fp32":
         return 4.0, 4.0, states, 0.0
     if precision == "bf16":
@@ -97,10 +102,16 @@ def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets,
     return per_layer * layers
 
 
+def meft_buffer_rows(neurons: int, top_k: int, profile: Profile) -> float:
+    """Rows of each layer's fixed device buffers (memfit.meft's default buffer_size):
+    max(top_k, ceil(neurons x ``meft_buffer_fraction``)), capped at the neurons."""
+    return float(min(neurons, max(top_k, math.ceil(neurons * profile.meft_buffer_fraction))))
+
+
 def meft_rows(model: ModelSpec, neurons: int, top_k: int, b: int, s: int, profile: Profile) -> float:
     """Distinct adapter rows (β·K) a micro-batch activates per layer: the top-K union over b·s tokens,
-    capped by the device buffer (``meft_buffer_fraction`` of the neurons)."""
-    return float(min(neurons * profile.meft_buffer_fraction, top_k * b * s, neurons))
+    capped by the device buffer (:func:`meft_buffer_rows`)."""
+    return float(min(meft_buffer_rows(neurons, top_k, profile), top_k * b * s))
 
 
 def meft_experts(neurons: int, experts) -> int:
