@@ -53,3 +53,16 @@ def test_run_file_roundtrip(tmp_path):
 def test_missing_run_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_run(tmp_path / "nope.yaml")
+
+
+def test_save_run_is_atomic_and_world_readable(tmp_path):
+    import os
+    import stat
+
+    from memfit.spec.run import save_run
+
+    run = run_from_dict({"model": "llama-2-7b"})
+    path = save_run(run, tmp_path / "out" / "run.yaml")
+    assert load_run(path) == run
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o044  # group/other can read, like any written file
+    assert [p.name for p in path.parent.iterdir()] == ["run.yaml"]  # no temp file left

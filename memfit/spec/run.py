@@ -194,5 +194,8 @@ def save_run(run: RunSpec, path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-", suffix=".yaml")
     with os.fdopen(fd, "w") as fh:
         fh.write(dump_run(run))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a run file is an ordinary file
     os.replace(tmp, path)
     return path
