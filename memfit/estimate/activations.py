@@ -98,15 +98,17 @@ def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, 
 
 
 def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, attention: str,
-                         mlp_side: float, adapter_grad: float = 0.0) -> float:
+                         mlp_side: float, adapter_grad: float = 0.0, product_saved: bool = True) -> float:
     """What one layer's backward holds beyond its saved tensors, at its largest: the incoming residual
     gradient (r·h per token) + the larger of the MLP's gradients (gated: the product's gradient and
-    those of act and up, less the freed product, 2·e·f; GeLU e·f) and eager attention's two s² tensors
+    those of act and up, less the product if it was saved and is freed now: 2·e·f, else 3·e·f; GeLU
+    e·f, else 2·e·f) and eager attention's two s² tensors
     (fp32 score gradient + softmax backward's output; the 16-bit cast is freed) less the MLP side,
     already freed by then. ``adapter_grad``: bytes per token of the gradient of a cast adapter input
     (fp32 LoRA on a 16-bit base) that the MLP's backward adds."""
     tokens = float(b) * s
-    mlp = tokens * (e * model.intermediate * (2.0 if model.mlp in ("swiglu", "geglu") else 1.0) + adapter_grad)
+    mlp = tokens * (e * model.intermediate * ((2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
+                                              + (0.0 if product_saved else 1.0)) + adapter_grad)
     eager = 0.0
     if attention == "eager":
         per = 2.0 * e if model.family == "falcon" else 8.0 - (e if e != 4.0 else 0.0)
@@ -124,14 +126,16 @@ def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) ->
 def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
                      profile: Profile, method: str = "full", adapted: frozenset = frozenset(),
                      shares: bool = True, autocast: bool = False,
-                     adapter_grad: float = 0.0) -> tuple[float, float, float, float]:
+                     adapter_grad: float = 0.0, adapter_mlp_side: float = 0.0) -> tuple[float, float, float, float]:
     """(checkpointed layer inputs, layers' saved working sets, tail, backward transients) in bytes.
 
     Without checkpointing every layer's saved tensors are live at the start of backward (layer 0 of a
     frozen model saves no norm input: its input needs no gradient). With checkpointing each layer keeps
     its input (r·s·b·h) and ``checkpoint_extra_layers`` layers' working set is live during recomputation.
     The tail is the final norm (+ the head's input when the head is trained). The transients are one
-    layer's backward working memory (+ eager attention's causal mask under checkpointing)."""
+    layer's backward working memory (+ eager attention's causal mask under checkpointing).
+    ``adapter_grad``: bytes per token of a cast adapter input's gradient; ``adapter_mlp_side``: bytes per
+    token the adapters of o_proj and the MLP save (freed before attention's backward)."""
     scale = profile.activation_scale
     r = 4.0 if (e == 4.0 or autocast) else e
     if profile.activation_korthikanti:
@@ -143,7 +147,10 @@ def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str,
     per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained)
     layer = b * s * per_tok + b * model.heads * float(s) * s * score
     tail = b * s * (norm_input_bytes(model, r, trained) + (e * model.hidden if sv[4] else 0.0))
-    extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side, adapter_grad)
+    # the product (or an adapter's own copy of it) is saved, and freed when the MLP's backward begins
+    saved = sv[3] > 0 or any(ROLES.get(name) == "mlp_out" for name in adapted)
+    extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side + adapter_mlp_side, adapter_grad,
+                                 product_saved=saved)
     # the first norm's input is the layer input itself when no cast is needed (fp32 RMSNorm, LayerNorm)
     same = b * s * model.hidden * (r if model.norm != "rmsnorm" else (4.0 if r == 4.0 else 0.0))
     if checkpointing:

@@ -153,20 +153,26 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # 16-bit and DeepSpeed / FSDP's MixedPrecision hold 16-bit parameters: 16-bit activations.
     autocast = prec.endswith("-mixed") and family == "ddp" and method == "full"
     adapted = M.numbers(model).lora_sums(targets)[2] if adapter_params else frozenset()
-    # backward through a cast adapter path: the gradient of lora_A's cast input, at its widest
+    # dropout runs after PEFT's fp32 cast; on CPU its mask is a noise tensor of that dtype, CUDA's fused
+    # kernel keeps 1 byte
+    mask_b = (4.0 if cast_copy else e) if gpu.is_cpu else 1.0
+    # backward through a cast adapter path: the gradient of lora_A's cast input, at its widest; what the
+    # adapters after the attention save is freed before the attention's backward
     widest = max((lin.in_features for lin in model.linears if lin.name in adapted), default=0)
+    copy_b = ((cast_copy or e) + mask_b) if st.lora_dropout > 0 else cast_copy
+    rank_b = 4.0 if cast_copy == 4.0 else e
+    after_attn = sum(copy_b * lin.in_features + rank_b * st.lora_r for lin in model.linears
+                     if lin.name in adapted and A.ROLES.get(lin.name) != "attn_in")
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,
-        shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest)
+        shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
+        adapter_mlp_side=after_attn)
     acts = act_in + act_layers + act_tail + act_bwd
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
-                                             cast_copy=cast_copy,
-                                             # dropout runs after PEFT's fp32 cast; on CPU its mask is a
-                                             # noise tensor of that dtype, CUDA's fused kernel keeps 1 byte
-                                             mask_bytes=(4.0 if cast_copy else e) if gpu.is_cpu else 1.0)
+                                             cast_copy=cast_copy, mask_bytes=mask_b)
     meft_buf = meft_acts = meft_host = 0.0
     rows = 0.0
     if method == "meft":  # memfit.meft: per layer, fixed device buffers for key and value rows (in the
