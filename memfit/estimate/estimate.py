@@ -167,7 +167,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,
         shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
         adapter_mlp_side=after_attn)
-    acts = act_in + act_layers + act_tail + act_bwd
+    # at the end of the forward the model still holds the final norm's output, and its KV cache (use_cache:
+    # what the trainer leaves on unless checkpointing turns it off): under autocast RoPE promotes k to
+    # fp32 while SDPA saves its own 16-bit copy, elsewhere the cache shares what attention saves
+    r_b = 4.0 if (e == 4.0 or autocast) else e
+    act_fwd = float(b) * s * (r_b * model.hidden
+                              + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
+    act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
+    acts = act_in + act_layers + act_tail + max(act_bwd, act_fwd)
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
@@ -234,20 +241,27 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # checkpointing keeps as a layer input, live from the forward on)
     mask = float(b) * s * s * (4.0 if (e == 4.0 or autocast) else e) if gc and attention == "eager" else 0.0
     mask = min(mask, act_bwd)
-    phase_a = g_keep + autocast_copy + act_in + act_tail + logits + mask + (0.0 if gc else act_layers + adapter_acts)
-    phase = phase_a
+    saved = act_in + act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
+    phase_a = g_keep + autocast_copy + saved + logits
+    # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
+    # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
+    fwd_logits = logits * ((e if e != 4.0 else 0.0) + 8.0) / 12.0
+    phase = max(phase_a, g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits))
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters
     last = (nums.layer_params + model.head_parameters) / P if method == "full" else 1.0 / model.layers
     g_last = g_free * min(1.0, last)
+    # ... and while the first layer runs backward: all but its own and the embedding's (traced)
+    first = (nums.layer_params + model.embedding_parameters) / P if method == "full" else 1.0 / model.layers
+    g_first = g_free * max(0.0, 1.0 - first)
     if gc:
         working = act_layers + adapter_acts + act_bwd
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
         phase = max(phase, g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last,
-                    g_keep + working + act_in / model.layers + g_free)
+                    g_keep + working + act_in / model.layers + g_first)
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phase = max(phase, g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + g_last,
-                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + g_free)
+                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + g_first)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
     step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
