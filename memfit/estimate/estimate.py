@@ -205,12 +205,16 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- engine buffers -------------------------------------------------------------------------
     h2 = float(model.hidden) ** 2
     gathered = comm = step_temp = 0.0
+    layer_bufs = 0.0  # part of gathered/comm that exists only while decoder layers run (FSDP)
     g_comm = g_b if family == "ddp" else min(g_b, half)  # FSDP reduces in the compute dtype
     if engine == "zero3":
         if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
             live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
             comm = min(nums.layer_params, p_t) * g_comm  # one layer's unsharded grads before reduce-scatter
             gathered = min(live, P) * compute_all / P
+            # the layers are resharded after their forward and backward: at the loss and in the step only
+            # the root unit is gathered (measured on 2 gloo ranks: FSDP2 at the loss)
+            layer_bufs = min(p.gathered_layers * nums.layer_params, P) * compute_all / P + comm
         else:  # DeepSpeed gathers module by module (current + prefetch bucket) and does not release what is
             # reused within stage3_max_reuse_distance: at the forward/backward turn that much stays gathered
             live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
@@ -220,6 +224,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             gathered = min(live, P) * weights_all / P
     elif engine == "sgo":
         comm = min(nums.layer_params, p_t) * g_comm
+        layer_bufs = comm  # a layer's unsharded gradients: only in backward
     elif engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C below)
         comm = 2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
         step_temp = min(p.zero_allgather_bucket_elements, p_t) * w_b
@@ -233,7 +238,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # Phases: A = start of backward (all saved activations + logits); with checkpointing B1 = last layer
     # recomputing (inputs + its working set + logits' grads); B2 = backward at the first layer (its
     # working set + nearly all gradients); C = the optimizer step (grads + step temporaries).
-    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm
+    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs
     adapter_acts = lora_int + meft_acts
     g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
     g_free = grads - g_keep
@@ -255,20 +260,20 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     first = (nums.layer_params + model.embedding_parameters) / P if method == "full" else 1.0 / model.layers
     g_first = g_free * max(0.0, 1.0 - first)
     if gc:
-        working = act_layers + adapter_acts + act_bwd
+        working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
         phase = max(phase, g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last,
                     g_keep + working + act_in / model.layers + g_first)
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
-        phase = max(phase, g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + g_last,
-                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + g_first)
+        phase = max(phase, g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last,
+                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first)
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
     step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
     if family == "deepspeed" and prec != "fp32" and not off_opt:
         step_temp += local_opt * p.zero_fp32_grad_bytes
     phase = max(phase, grads + step_temp)
-    lines_sum = static + autocast_copy + grads + acts + logits + adapter_acts + step_temp
+    lines_sum = static + layer_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
     cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
