@@ -240,7 +240,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # working set + nearly all gradients); C = the optimizer step (grads + step temporaries).
     static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs
     adapter_acts = lora_int + meft_acts
-    g_keep = grads if ga > 1 else 0.0  # with accumulation, earlier micro-batches' gradients stay live
+    # with accumulation, earlier micro-batches' gradients stay live; DeepSpeed ZeRO-3 allocates its flat
+    # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
+    g_keep = grads if ga > 1 or (engine == "zero3" and not fsdp) else 0.0
     g_free = grads - g_keep
     # act_bwd: one layer's backward working memory (eager's score gradients; + the causal mask that
     # checkpointing keeps as a layer input, live from the forward on)
