@@ -174,7 +174,6 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     act_fwd = float(b) * s * (r_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
-    acts = act_in + act_layers + act_tail + max(act_bwd, act_fwd)
     logits = M.logits_bytes(model, s, b, prec, p)
     lora_int = 0.0
     if adapter_params:
@@ -249,11 +248,12 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     mask = float(b) * s * s * (4.0 if (e == 4.0 or autocast) else e) if gc and attention == "eager" else 0.0
     mask = min(mask, act_bwd)
     saved = act_in + act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
-    phase_a = g_keep + autocast_copy + saved + logits
+    # candidate peaks as (bytes, the activation working memory beyond the saved tensors they hold)
+    phases = [(g_keep + autocast_copy + saved + logits, mask)]  # A: start of backward
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
     fwd_logits = logits * ((e if e != 4.0 else 0.0) + 8.0) / 12.0
-    phase = max(phase_a, g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits))
+    phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits), mask + act_fwd))
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters
     last = (nums.layer_params + model.head_parameters) / P if method == "full" else 1.0 / model.layers
@@ -264,17 +264,20 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
-        phase = max(phase, g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last,
-                    g_keep + working + act_in / model.layers + g_first)
+        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last, act_bwd),
+                   (g_keep + working + act_in / model.layers + g_first, act_bwd)]  # B2: the first layer
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
-        phase = max(phase, g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last,
-                    g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first)
+        phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
+                   (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
     step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
     if family == "deepspeed" and prec != "fp32" and not off_opt:
         step_temp += local_opt * p.zero_fp32_grad_bytes
-    phase = max(phase, grads + step_temp)
+    phases.append((grads + step_temp, 0.0))  # C: the optimizer step
+    phase, held = max(phases)
+    # the activations line: the saved tensors + the working memory the peak phase holds beyond them
+    acts = act_in + act_layers + act_tail + held
     lines_sum = static + layer_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
