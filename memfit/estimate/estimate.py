@@ -179,6 +179,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
                                              cast_copy=cast_copy, mask_bytes=mask_b)
+        if st.lora_dropout > 0 and not gc:  # layer 0: dropout on an input that needs no gradient keeps
+            # no mask (checkpointing makes the embeddings' output require grad: then it does)
+            lora_int -= float(b) * s * mask_b * sum(lin.in_features for lin in model.linears
+                                                    if lin.name in adapted and A.ROLES.get(lin.name) == "attn_in")
     meft_buf = meft_acts = meft_host = 0.0
     rows = 0.0
     if method == "meft":  # memfit.meft: per layer, fixed device buffers for key and value rows (in the
