@@ -119,3 +119,54 @@ def test_underdetermined_fit_stays_near_defaults_and_positive():
     fitted, rep = fit(recs, ToyProfile(activation_scale=1.0, overhead_bytes=5e4), toy_estimate, target="memory")
     assert rep["rms_error_pct_after"] < 0.5
     assert fitted.activation_scale > 0 and fitted.overhead_bytes > 0
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    logits_bytes_16bit: float = 6.0
+    logits_bytes_fp32: float = 12.0
+    activation_scale: float = 1.0
+    checkpoint_extra_layers: float = 1.0
+    utilization: float = 0.5
+    utilization_fp32: float = 0.5
+    utilization_cpu: float = 0.25
+    calibrated: dict = field(default_factory=dict)
+
+
+def plan_estimate(record, p):
+    c = record["config"]
+    acts = p.activation_scale * c["act"] + p.checkpoint_extra_layers * c["layer"]
+    logits = p.logits_bytes_fp32 * c["logit_elems"]
+    return {"memory": {"gpu_bytes": {"weights": c["weights"], "activations": acts, "logits": logits,
+                                     "total": c["weights"] + acts + logits}},
+            "time": {"step_seconds": c["flops"] / (p.utilization_cpu * 1e9)}}
+
+
+def test_default_plan_fits_activation_constants_to_the_total():
+    """Under checkpointing the profiler files part of the recomputed working set as "unattributed": the
+    measured activations component is short, the total is right. The default plan fits the activation
+    constants to the total (they land on the truth) and the logits constant to its clean component."""
+    from memfit.measure.calibrate import DEFAULT_PLAN, total_errors
+
+    truth = PlanProfile(logits_bytes_fp32=10.0, activation_scale=1.2, checkpoint_extra_layers=0.9, utilization_cpu=0.2)
+    recs = []
+    for i in range(8):
+        cfg = {"weights": 1e6 * (i + 1), "act": 3e5 * (i % 3 + 1) * (i + 2), "layer": 2e5 * (i % 2 + 1) * (i + 1),
+               "logit_elems": 1e4 * (i + 1), "flops": 1e9 * (i + 1)}
+        pred = plan_estimate({"config": cfg}, truth)
+        acts, logits = pred["memory"]["gpu_bytes"]["activations"], pred["memory"]["gpu_bytes"]["logits"]
+        recs.append({"config": cfg, "run": {}, "measured": {
+            "peak_allocated_bytes": pred["memory"]["gpu_bytes"]["total"], "step_seconds": pred["time"]["step_seconds"],
+            "components": {"parameters": cfg["weights"], "activations": 0.7 * acts, "unattributed": 0.3 * acts,
+                           "logits": logits}}})
+    prof, reports = calibrate(recs, PlanProfile(), plan_estimate, plan=DEFAULT_PLAN)
+    assert [r["target"] for r in reports] == ["logits", "memory", "time"]
+    assert prof.logits_bytes_fp32 == pytest.approx(10.0, rel=1e-6)
+    assert prof.activation_scale == pytest.approx(1.2, rel=1e-5)
+    assert prof.checkpoint_extra_layers == pytest.approx(0.9, rel=1e-5)
+    assert max(abs(e) for e in total_errors(recs, prof, plan_estimate)) < 1e-3
+    # fitted to the short activations component instead, the constants drop by ~30 % and the total misses
+    bad, _ = calibrate(recs, PlanProfile(), plan_estimate,
+                       plan=[("activations", ("activation_scale", "checkpoint_extra_layers"))])
+    assert bad.activation_scale == pytest.approx(0.84, rel=1e-3)
+    assert max(abs(e) for e in total_errors(recs, bad, plan_estimate)) > 5

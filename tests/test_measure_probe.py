@@ -115,6 +115,17 @@ def test_error_pct_and_compare_rows():
     assert ("total", "allocated") in metrics and ("process", "RSS") in metrics
 
 
+def test_rss_is_compared_per_node():
+    """The estimator's cpu_bytes are per node: with 2 ranks the measured side is the ranks' sum."""
+    predicted = {"memory": {"gpu_bytes": {"total": 500}, "cpu_bytes": {"total": 2000}}, "time": {}}
+    ranks = [{"rank": 0, "peak_rss_bytes": 1100}, {"rank": 1, "peak_rss_bytes": 900}]
+    two = compare(predicted, {"peak_allocated_bytes": 400, "peak_rss_bytes": 1100, "ranks": ranks})
+    assert two["error_pct"]["rss"] == 0.0  # 2000 vs 1100 + 900, not vs the peak rank's 1100 (+81.8 %)
+    assert ("processes", "RSS, sum of 2 ranks") in {(r["component"], r["metric"]) for r in two["rows"]}
+    one = compare(predicted, {"peak_allocated_bytes": 400, "peak_rss_bytes": 1600, "ranks": ranks[:1]})
+    assert one["error_pct"]["rss"] == 25.0
+
+
 def test_summarize():
     s = summarize([1.0, -3.0, None, 2.0, 10.0])
     assert s == {"n": 4, "median_abs_pct": 2.5, "max_abs_pct": 10.0}

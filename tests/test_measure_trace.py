@@ -70,6 +70,19 @@ def test_traced_peak_matches_the_real_step(tiny_config, kw):
     assert traced["model_states_bytes"] < traced["peak_bytes"]
 
 
+def test_lora_bf16_mixed_traces_the_base_in_bf16_like_the_trainer(tiny_config):
+    """memfit's trainer loads LoRA's frozen base in bf16 under bf16-mixed: the trace does the same, so its
+    model states are exactly 2 bytes per base parameter smaller than under fp32 (adapters, Adam stay fp32)."""
+    torch.set_num_threads(1)
+    kw = dict(method="lora", seq_len=32, micro_batch_size=1, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+              lora_targets=("q_proj", "v_proj"))
+    fp32 = traced_step(str(tiny_config), Strategy(precision="fp32", **kw))
+    mixed = traced_step(str(tiny_config), Strategy(precision="bf16-mixed", **kw))
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 172 + 2 * 64  # q, o, k, v, MLP, two norms
+    base_params = 2 * 512 * 64 + 2 * layer + 64  # embeddings, lm_head, 2 layers, final norm
+    assert fp32["model_states_bytes"] - mixed["model_states_bytes"] == 2 * base_params
+
+
 def test_tracker_counts_storages_once_and_frees():
     tr = LiveStorageTracker()
     a = torch.empty(1000, dtype=torch.uint8)

@@ -156,9 +156,9 @@ def calibrate_cmd(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Start from this profile (default: built-in)."),
     memory_constants: Optional[str] = typer.Option(None, "--memory-constants", help="Comma-separated "
                                                    "constants fitted to the allocated peak instead of the "
-                                                   "default per-component fits (logits_bytes_* to the logits, "
-                                                   "activation_scale, checkpoint_extra_layers to the "
-                                                   "activations)."),
+                                                   "default memory fits (logits_bytes_* to the measured logits, "
+                                                   "then activation_scale, checkpoint_extra_layers to the "
+                                                   "allocated peak)."),
     time_constants: Optional[str] = typer.Option(None, "--time-constants", help="Comma-separated constants "
                                                  "fitted to step time (default: utilization, utilization_fp32, "
                                                  "utilization_cpu; 'none' to skip)."),

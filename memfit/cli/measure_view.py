@@ -53,11 +53,11 @@ def show_record(rec: dict[str, Any]) -> None:
 
 
 def show_sweep(records: list[dict[str, Any]]) -> None:
-    from memfit.measure.compare import summarize
+    from memfit.measure.compare import node_rss, summarize
 
     t = Table(title="sweep: allocated peak, predicted vs measured", title_justify="left")
     for col in ("configuration", "seq", "mb", "predicted", "measured (allocated)", "error",
-                "RSS peak", "step"):
+                "RSS peak (node)", "step"):
         t.add_column(col, justify="left" if col == "configuration" else "right",
                      overflow="fold", min_width=18 if col == "configuration" else None)
     for rec in records:
@@ -65,7 +65,7 @@ def show_sweep(records: list[dict[str, Any]]) -> None:
         pred = ((rec.get("predicted") or {}).get("memory") or {}).get("gpu_bytes", {}).get("total")
         t.add_row(rec["label"], str(s["seq_len"]), str(s["micro_batch_size"]), _fmt(pred, "bytes"),
                   _fmt(m["peak_allocated_bytes"], "bytes"), _err(rec["error_pct"].get("total")),
-                  _fmt(m.get("peak_rss_bytes"), "bytes"), _fmt(m.get("step_seconds"), "seconds"))
+                  _fmt(node_rss(m)[0], "bytes"), _fmt(m.get("step_seconds"), "seconds"))
     console.print(t)
     s = summarize([r["error_pct"].get("total") for r in records])
     if s["n"]:

@@ -3,7 +3,8 @@
 The estimate's memory components (``memory.gpu_bytes``: weights, gradients, optimizer, activations,
 logits, overhead, total) are matched with the probe's categories. Every figure keeps the name of its
 metric: the comparison is against the **allocated** peak (allocator level); reserved (CUDA) and RSS are
-reported beside it, never mixed in.
+reported beside it, never mixed in. RSS is compared per node, like the estimator's ``cpu_bytes``: with
+several ranks, the sum of their peak RSS.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def node_rss(measured: dict[str, Any]) -> tuple[Optional[int], str]:
+    """(measured peak RSS of the node, metric label), comparable with the estimator's per-node
+    ``cpu_bytes.total``: the sum of the ranks' peak RSS when several processes ran (each rank's peak,
+    so an upper bound of the simultaneous total), else the one process's peak RSS."""
+    per_rank = [r["peak_rss_bytes"] for r in measured.get("ranks") or [] if r.get("peak_rss_bytes") is not None]
+    if len(per_rank) > 1:
+        return int(sum(per_rank)), f"RSS, sum of {len(per_rank)} ranks"
+    if measured.get("peak_rss_bytes") is not None:
+        return int(measured["peak_rss_bytes"]), "RSS"
+    return None, "RSS"
+
+
 def predicted_step_seconds(predicted: dict[str, Any]) -> Optional[float]:
     t = (predicted or {}).get("time", {}).get("step_seconds")
     return float(t) if isinstance(t, (int, float)) else None
@@ -101,11 +114,13 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
         rows.append({"component": "total", "metric": "reserved", "predicted": total_p,
                      "measured": measured["peak_reserved_bytes"],
                      "error_pct": error_pct(total_p, measured["peak_reserved_bytes"])})
-    if measured.get("peak_rss_bytes") is not None:
+    rss_m, rss_metric = node_rss(measured)
+    if rss_m is not None:
+        # the estimator's cpu_bytes are per node (every process on it): compared with the ranks' sum
         rss_p = (predicted or {}).get("memory", {}).get("cpu_bytes", {}).get("total")
-        errors["rss"] = error_pct(rss_p, measured["peak_rss_bytes"])
-        rows.append({"component": "process", "metric": "RSS", "predicted": rss_p,
-                     "measured": measured["peak_rss_bytes"], "error_pct": errors["rss"]})
+        errors["rss"] = error_pct(rss_p, rss_m)
+        rows.append({"component": "processes" if "ranks" in rss_metric else "process", "metric": rss_metric,
+                     "predicted": rss_p, "measured": rss_m, "error_pct": errors["rss"]})
     t_p, t_m = predicted_step_seconds(predicted), measured.get("step_seconds")
     errors["step_seconds"] = error_pct(t_p, t_m)
     rows.append({"component": "step time", "metric": "seconds", "predicted": t_p, "measured": t_m,

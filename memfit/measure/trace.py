@@ -121,8 +121,15 @@ def _unpacked_inputs():
         masking_utils.find_packed_sequence_indices = original
 
 
-_DTYPES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "bf16-mixed": ("float32", "bfloat16"),
-           "fp16-mixed": ("float32", "float16")}
+def _load_and_autocast_dtypes(s: Any) -> tuple[Any, Any]:
+    """(dtype the weights are loaded in, autocast dtype or None): memfit's trainer's own choice
+    (``memfit.train.model._dtypes``), so the trace loads e.g. LoRA's frozen base in bf16 under bf16-mixed."""
+    from types import SimpleNamespace
+
+    from memfit.train.model import _dtypes
+
+    load, compute = _dtypes(SimpleNamespace(strategy=s))
+    return load, (compute if s.precision.endswith("-mixed") else None)
 
 
 def check_traceable(s: Any) -> None:
@@ -147,7 +154,7 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
     check_traceable(s)
     cfg = AutoConfig.from_pretrained(str(config_path(model)))
     cfg._attn_implementation = s.attention
-    weight_dtype, autocast = (getattr(torch, d) if d else None for d in _DTYPES[s.precision])
+    weight_dtype, autocast = _load_and_autocast_dtypes(s)
     # Build (and wrap with peft) on the meta device, then swap every parameter and buffer for a fake
     # CPU tensor of the same shape: no memory, no init compute, and peft's module moves stay on meta.
     with torch.device("meta"):
