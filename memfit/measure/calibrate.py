@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -313,15 +311,5 @@ def run_estimate_fn() -> EstimateFn:
 
 
 def save_profile(profile: Any, path: Path) -> Path:
-    """Write the profile with its own ``save`` when it has one, else as JSON (atomically)."""
-    path = Path(path)
-    if hasattr(profile, "save"):
-        profile.save(path)
-        return path
-    data = dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else profile.model_dump()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2)
-    os.replace(tmp, path)
-    return path
+    """Write the fitted profile (``Profile.save`` writes atomically)."""
+    return Path(profile.save(path))

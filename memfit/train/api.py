@@ -130,14 +130,8 @@ def save_outputs(run, model, tokenizer, out: Path) -> Optional[Path]:
     from memfit.train.checkpoint import atomic_dir
 
     method = run.strategy.method
-    if method in ("lora", "qlora"):
-        dst = out / "adapter"
-        with atomic_dir(dst) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-        return dst
-    if method == "full":
-        dst = out / "model"
+    if method in ("lora", "qlora", "full"):
+        dst = out / ("model" if method == "full" else "adapter")
         with atomic_dir(dst) as tmp:
             model.save_pretrained(str(tmp), safe_serialization=True)
             tokenizer.save_pretrained(str(tmp))
