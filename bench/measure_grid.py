@@ -185,8 +185,9 @@ def main() -> int:
 
 
 def calibration_check(records: list[dict]) -> None:
-    """Fit the constants on the Llama-style runs (logits to the logits, activation constants to the total, utilisation to step time), report the
-    Qwen2-style runs' total error with them: shapes the constants were not fitted to."""
+    """Fit the constants on the Llama-style runs (logits to the logits, activation constants to the
+    total, utilisation to step time), report the Qwen2-style runs' total error with them: shapes the
+    constants were not fitted to."""
     try:
         from memfit.estimate.constants import Profile
         from memfit.measure.calibrate import DEFAULT_PLAN, calibrate, run_estimate_fn, total_errors
