@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -171,15 +172,17 @@ def environment() -> dict:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             info[pkg] = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
-                        capability=f"{props.major}.{props.minor}")
-    except ImportError:
-        pass
+    # read in a child process: a CUDA context in this process would count in every measured run's
+    # context figure (mem_get_info sees the whole GPU)
+    probe = ("import json, torch\n"
+             "if torch.cuda.is_available():\n"
+             "    p = torch.cuda.get_device_properties(0)\n"
+             "    from memfit.spec.hardware import parse_hardware\n"
+             "    print(json.dumps(dict(gpu=p.name, gpu_memory_bytes=p.total_memory, cuda=torch.version.cuda,\n"
+             "        capability=f'{p.major}.{p.minor}', memfit_gpu=parse_hardware('local').gpu.name)))\n")
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if got.returncode == 0 and got.stdout.strip():
+        info.update(json.loads(got.stdout.strip().splitlines()[-1]))
     return info
 
 
@@ -200,11 +203,15 @@ def measure_all(configs, out: Path, models: Path, budget_s: float, steps: int, c
         if overrides.get("attention") == "fa2" and importlib.util.find_spec("flash_attn") is None:
             result["skipped"].append({"name": name, "why": "flash_attn is not installed here (FA2 not run)"})
             continue
-        try:
-            model_dir = build_model_dir(shape, models)
-        except Exception as err:  # a bench: say why the shape could not be built and go on
-            result["skipped"].append({"name": name, "why": f"model build failed: {type(err).__name__}: {err}"})
+        # built in a child process: a CUDA context in this process would count in every measured
+        # run's context figure (mem_get_info sees the whole GPU)
+        built = subprocess.run([sys.executable, __file__, "--build", shape, "--models", str(models)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            why = (built.stderr.strip().splitlines() or ["?"])[-1]
+            result["skipped"].append({"name": name, "why": f"model build failed: {why}"})
             continue
+        model_dir = models / shape
         run = run_spec(model_dir, overrides, out)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -222,6 +229,7 @@ def measure_all(configs, out: Path, models: Path, budget_s: float, steps: int, c
         run_dict = run.model_dump(mode="json")
         run_dict["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
         result["records"].append({"name": name, "shape": shape, "env": env, "run": run_dict,
+                                  "config": json.loads((model_dir / "config.json").read_text()),
                                   "measured": measured, "wall_s": round(time.time() - started, 1)})
         print(f"[{time.time() - t0:6.1f}s] {name}: allocated {measured['peak_allocated_bytes'] / GiB:.2f} GiB",
               flush=True)
@@ -231,6 +239,24 @@ def measure_all(configs, out: Path, models: Path, budget_s: float, steps: int, c
 
 def fmt(v, scale=GiB, nd=2):
     return "-" if v is None else f"{v / scale:.{nd}f}"
+
+
+def replay_configs(result: dict, root: Path) -> None:
+    """Point each saved run at a config.json of its shape under ``root`` (the measured machine's model
+    folders are not here); records saved before configs were kept get one built from SHAPES."""
+    env = result.get("environment", {})
+    gpu = env.get("memfit_gpu")
+    if gpu is None and env.get("gpu"):
+        from memfit.spec.hardware import _match_detected  # the name `local` would have matched there
+
+        gpu = _match_detected(env["gpu"], env.get("gpu_memory_bytes", 0)).name
+    for rec in result["records"]:
+        cfg = rec.get("config") or {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                    "hidden_act": "silu", "torch_dtype": "bfloat16", **SHAPES[rec["shape"]]}
+        folder = root / rec["shape"]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        rec["run"] = {**rec["run"], "model": str(folder), "hardware": f"1x{gpu}" if gpu else "local"}
 
 
 def report(result: dict) -> dict:
@@ -269,9 +295,16 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="folder for the generated model folders (default: OUT/models)")
     ap.add_argument("--categories", action="store_true", help="also break the peak down by category (slower)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--build", choices=sorted(SHAPES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.build:
+        build_model_dir(args.build, Path(args.models or "."))
+        return 0
     if args.replay:
+        import tempfile
+
         result = json.loads(Path(args.replay).read_text())
+        replay_configs(result, Path(tempfile.mkdtemp(prefix="memfit-gpu-check-")))
     else:
         configs = TINY_CONFIGS if args.tiny else CONFIGS
         if args.only:
