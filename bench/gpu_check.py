@@ -265,20 +265,25 @@ def report(result: dict) -> dict:
     lines = [f"GPU check: {env.get('gpu', 'no GPU')} (cc {env.get('capability', '-')}), torch {env.get('torch')}, "
              f"transformers {env.get('transformers')}, peft {env.get('peft')}, bitsandbytes "
              f"{env.get('bitsandbytes')}, flash_attn {env.get('flash_attn')}; measured {env.get('date')}",
-             f"{'config':28} {'alloc pred':>10} {'alloc meas':>10} {'err %':>7} {'resv meas':>9} "
+             f"{'config':28} {'alloc pred':>10} {'alloc meas':>10} {'err %':>7} {'resv pred':>9} {'resv meas':>9} {'err %':>7} "
              f"{'ctx':>5} {'total pred':>10} {'smi meas':>9} {'err %':>7} {'step pred':>9} {'step meas':>9}"]
     for r in rows:
         lines.append(f"{r['name']:28} {fmt(r['allocated_pred']):>10} {fmt(r['allocated_meas']):>10} "
                      f"{r['allocated_err_pct'] if r['allocated_err_pct'] is not None else '-':>7} "
-                     f"{fmt(r['reserved_meas']):>9} {fmt(r['context_meas']):>5} {fmt(r['total_pred']):>10} "
+                     f"{fmt(r['reserved_pred']):>9} {fmt(r['reserved_meas']):>9} "
+                     f"{r['reserved_err_pct'] if r['reserved_err_pct'] is not None else '-':>7} "
+                     f"{fmt(r['context_meas']):>5} {fmt(r['total_pred']):>10} "
                      f"{fmt(r['device_total_meas']):>9} "
                      f"{r['total_err_pct'] if r['total_err_pct'] is not None else '-':>7} "
                      f"{fmt(r['step_pred_s'], 1, 3):>9} {fmt(r['step_meas_s'], 1, 3):>9}  {'; '.join(r['paths'])}"
                      + (f"  [{r['note']}]" if r["note"] else ""))
-    errs = [abs(r["allocated_err_pct"]) for r in rows if r["allocated_err_pct"] is not None]
-    if errs:
-        lines.append(f"allocated: median |err| {statistics.median(errs):.1f} %, max {max(errs):.1f} % "
-                     f"over {len(errs)} configurations (GiB; smi = reserved + context)")
+    for metric in ("allocated", "reserved", "total"):
+        errs = [r[f"{metric}_err_pct"] for r in rows if r[f"{metric}_err_pct"] is not None]
+        if errs:
+            lines.append(f"{metric}: median |err| {statistics.median(map(abs, errs)):.1f} %, max |err| "
+                         f"{max(map(abs, errs)):.1f} %, most under {min(errs):+.1f} % over {len(errs)} "
+                         f"configurations")
+    lines.append("GiB; smi = reserved + context (what nvidia-smi shows), held against the estimate's total")
     for s in result.get("skipped", []):
         lines.append(f"not measured: {s['name']}: {s['why']}")
     return {"rows": rows, "text": "\n".join(lines), "environment": env, "skipped": result.get("skipped", [])}
