@@ -1,0 +1,320 @@
+"""memfit's estimate held against published GPU fine-tuning runs (../shared/reference/gpu-runs/public.jsonl).
+
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py            # table per group + overall
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --rows     # + every row
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --json     # machine-readable
+
+Every row memfit can express becomes (ModelSpec from a preset, HardwareSpec, Strategy) and is predicted;
+the prediction is compared on the metric the row published: ``torch.cuda.max_memory_allocated`` with
+the estimate's allocated peak, ``max_memory_reserved`` with its reserved peak, ``nvidia-smi`` (or an
+unnamed system figure) with reserved + CUDA context + NCCL. Rows that ran out of memory must be
+predicted not to fit (GPU memory over the card, margin 0). ``capacity_boundary`` rows (the longest
+sequence that trained on a card of that size) are compared with the card's size. Rows memfit cannot
+express are listed with the missing feature. Signed error = (predicted − measured) / measured: negative
+means memfit under-predicts (the costly mistake). The leave-one-group-out figures refit the estimator's
+fitted global constants (``FITTED``) on all groups but one and report the error on the one left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.spec.hardware import GiB, HardwareSpec, find_gpu  # noqa: E402
+from memfit.spec.model import resolve_model  # noqa: E402
+from memfit.spec.strategy import Strategy  # noqa: E402
+
+_REL = Path("reference") / "gpu-runs" / "public.jsonl"
+# ../shared beside the repository (the lead's checkout), shared/ inside it, or the project's shared folder
+DEFAULT_FILE = next((p for p in (HERE.parent.parent / "shared" / _REL, HERE.parent / "shared" / _REL,
+                                 Path("/work/shared") / _REL) if p.is_file()), HERE.parent.parent / "shared" / _REL)
+MODELS = {  # published model id -> memfit preset (same architecture numbers)
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b", "mistralai/Mistral-7B-v0.1": "mistral-7b",
+    "NousResearch/Llama-2-70b-hf": "llama-2-70b", "meta-llama/Llama-2-70b-hf": "llama-2-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-3.3-70B-Instruct": "llama-3.1-70b",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b", "bigcode/gpt_bigcode-santacoder": "santacoder",
+    "tiiuae/falcon-7b": "falcon-7b", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+}
+UNSUPPORTED = {"T0": "encoder-decoder models (T5: T0_3B, mt0-xxl)", "mt0": "encoder-decoder models (T5: T0_3B, mt0-xxl)",
+               "bloomz": "BLOOM (ALiBi attention) configs", "glm": "GLM-4 (remote-code chatglm) configs"}
+GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "80GB A100": "A100-80GB",
+        "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
+# the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
+FITTED = ("fragmentation",)
+FIT_GRID = {"fragmentation": [i / 100 for i in range(0, 31)]}
+
+
+class Skip(Exception):
+    """A row memfit cannot express; the message names the missing feature."""
+
+
+@dataclass
+class Case:
+    id: str
+    group: str
+    model: str
+    hardware: HardwareSpec
+    strategy: Strategy
+    metric: str  # allocated | reserved | nvidia-smi | capacity
+    measured: float  # bytes (None for OOM rows)
+    status: str  # success | oom | boundary
+    reliability: str
+
+
+def _bytes(mem: dict) -> float:
+    unit = (mem.get("unit") or "").lower()
+    value = float(mem["value"])
+    return value * {"bytes": 1, "b": 1, "mib": 2**20, "gib": GiB, "gb": 1e9}[unit]
+
+
+def _metric(cls: str) -> str:
+    cls = cls.lower()
+    if "allocated" in cls:
+        return "allocated"
+    if "reserved" in cls:
+        return "reserved"
+    if "capacity" in cls:
+        return "capacity"
+    return "nvidia-smi"  # nvidia-smi, 'unspecified (likely nvidia-smi)', 'system metric': what the card shows
+
+
+def _hardware(row: dict, mem_cap: float | None) -> HardwareSpec:
+    text = row["gpu"]["model"] or ""
+    name = next((v for k, v in GPUS.items() if k in text), None)
+    if mem_cap is not None:  # a card of the row's stated size (how its limit was set is not said)
+        gpu = replace(find_gpu(name or "H100-80GB"), name=f"{mem_cap / GiB:g}GiB-card", memory_bytes=int(mem_cap))
+    elif name is None:
+        raise Skip(f"GPU {text!r} not named")
+    else:
+        gpu = find_gpu(name)
+    return HardwareSpec(gpu=gpu, gpus_per_node=int(row["gpu"]["count"] or 1), cpu_ram_bytes=2048 * GiB)
+
+
+def _method(row: dict) -> tuple[str, dict]:
+    method = row["method"]
+    pc, lora = row.get("peft_config") or {}, row.get("lora") or {}
+    if method.startswith("full"):
+        return "full", {}
+    if method in ("lora", "qlora") and not pc.get("use_dora") and "LoRA-FA" not in method:
+        r = pc.get("r") or lora.get("r")
+        targets = pc.get("target_modules") if pc else lora.get("targets")
+        targets = targets or ["q_proj", "v_proj"]  # PEFT's Llama default
+        if isinstance(targets, str):
+            targets = [targets]
+        targets = [t if t.endswith("_proj") or t == "all-linear" or "_" in t else f"{t}_proj" for t in targets]
+        dropout = pc.get("lora_dropout", lora.get("dropout", 0.05)) or 0.0
+        return method, {"lora_r": int(r or 8), "lora_targets": tuple(targets), "lora_dropout": float(dropout)}
+    missing = "DoRA" if pc.get("use_dora") else "the LoRA-FA optimizer" if "LoRA-FA" in method else \
+        f"PEFT method {pc.get('peft_type') or method}"
+    raise Skip(f"{missing} is not a memfit method (full, lora, qlora, meft)")
+
+
+def _engine(row: dict) -> dict:
+    eng = (row.get("engine") or "").lower()
+    if eng.startswith("single gpu") and "deepspeed" not in eng:
+        return {}
+    if "generation" in " ".join(row.get("caveats") or []).lower() and "grpo" in (row.get("method") or "").lower():
+        raise Skip("a generation engine (vLLM) shares the GPU with training")
+    if "zero-3" in eng or "zero3" in eng:
+        out = {"zero_stage": 3}
+        if "param+optimizer" in eng or "optimizer and param" in eng:
+            out["offload"] = "optimizer+params"
+        return out
+    if "zero-2" in eng:
+        return {"zero_stage": 2, **({"offload": "optimizer"} if "offload_optimizer=true" in eng else {})}
+    if "fsdp" in eng:
+        raise Skip("FSDP settings not published")
+    if int(row["gpu"]["count"] or 1) > 1:
+        raise Skip(f"multi-GPU engine {row['engine']!r} not recognised")
+    return {}
+
+
+def _precision(row: dict, method: str) -> str:
+    text = (row.get("precision") or "").lower()
+    if "pure" in text:
+        return "bf16"  # weights, grads and optimizer states in bf16 (PEFT's adapters in fp32)
+    if method == "full" and "torch_dtype bf16" in text and "autocast" in text:
+        return "bf16"  # bf16 weights: autocast changes nothing, AdamW states in bf16
+    return "bf16-mixed"
+
+
+def convert(row: dict) -> Case:
+    group = row["source_group"]
+    model_id = row["model"]
+    if model_id not in MODELS:
+        raise Skip(UNSUPPORTED.get(model_id.split("/")[-1].split("_")[0].split("-")[0], f"model {model_id}"))
+    status = (row.get("status") or "").lower()
+    status = "oom" if ("oom" in status or "failed" in status) else "boundary" if "boundary" in status else "success"
+    prim = row.get("primary_memory") or {}
+    metric = _metric(prim.get("metric_class") or "") if prim else "nvidia-smi"
+    cap = _bytes(prim) if metric == "capacity" else None
+    if metric == "capacity":  # a card size 'N GB' is an N GiB part (as memfit's GPU catalog reads it)
+        cap = float(prim["value"]) * GiB
+    if row.get("micro_batch_size") is None:
+        raise Skip("micro-batch size not published")
+    method, lora = _method(row)
+    seq = (row.get("sequence_length") or {}).get("value")
+    if seq is None:
+        if status != "oom":
+            raise Skip("sequence length not published")
+        seq = 256  # 'OOM at any length tested': the shortest length still does not fit
+    gc_text = str(row.get("gradient_checkpointing") or "").lower()
+    if gc_text.startswith("unknown") and "presumed" not in gc_text:
+        raise Skip("gradient checkpointing not published")
+    attn = (row.get("attention_implementation") or "").lower()
+    attention = "fa2" if "flash_attention_2" in attn else "eager" if attn.startswith("eager") else "sdpa"
+    kw = dict(method=method, micro_batch_size=int(row["micro_batch_size"]), seq_len=int(seq),
+              grad_accum=int(row.get("grad_accumulation") or 1), gradient_checkpointing=not gc_text.startswith("no"),
+              attention=attention, precision=_precision(row, method), **lora, **_engine(row))
+    q = (row.get("quantization") or "").lower()
+    if method == "qlora":
+        kw["double_quant"] = "double" in q or "nested" in q or "4-bit (qlora)" in q
+        if "quant_storage bf16" in q or "quant_storage=bf16" in q and kw.get("zero_stage") == 3:
+            kw["quant_storage"] = "bf16"
+    try:
+        strategy = Strategy(**kw)
+    except Exception as err:  # pydantic: a combination memfit does not model
+        raise Skip(f"strategy not expressible: {str(err).splitlines()[-1]}") from None
+    try:
+        resolve_model(MODELS[model_id])
+    except MemfitError as err:
+        raise Skip(str(err)) from None
+    measured = None if status == "oom" else (cap if metric == "capacity" else _bytes(prim))
+    return Case(row["id"], group, MODELS[model_id], _hardware(row, cap), strategy, metric, measured, status,
+                row.get("reliability") or "")
+
+
+def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
+    est = estimate(resolve_model(case.model), case.hardware, case.strategy, profile=profile, margin=0.0)
+    mem = est.to_dict()["memory"]
+    alloc = float(mem["gpu_allocated_bytes"])
+    reserved = float(mem.get("gpu_reserved_bytes", alloc + est.gpu_overhead["allocator_fragmentation"]))
+    smi = reserved + est.gpu_overhead["cuda_context"] + est.gpu_overhead["nccl_buffers"]
+    value = {"allocated": alloc, "reserved": reserved}.get(case.metric, smi)
+    fits = smi <= case.hardware.gpu.memory_bytes
+    err = None if case.measured is None else (value - case.measured) / case.measured
+    ok = (not fits) if case.status == "oom" else (fits if case.status == "boundary" else None)
+    return {"id": case.id, "group": case.group, "metric": case.metric, "status": case.status,
+            "predicted": value, "measured": case.measured, "error": err, "fits": fits, "verdict_ok": ok,
+            "allocated": alloc, "reserved": reserved, "nvidia_smi": smi, "strategy": case.strategy.label(),
+            "attention_backend": est.to_dict().get("attention_backend"), "reliability": case.reliability}
+
+
+def load(path: Path) -> tuple[list[Case], list[dict]]:
+    cases, skipped = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        try:
+            cases.append(convert(row))
+        except Skip as why:
+            skipped.append({"id": row["id"], "group": row["source_group"], "why": str(why)})
+    return cases, skipped
+
+
+def summarize(results: list[dict]) -> dict:
+    errs = [r["error"] for r in results if r["error"] is not None]
+    absd = [abs(x) for x in errs]
+    return {"rows": len(results), "compared": len(errs),
+            "median_abs": statistics.median(absd) if absd else None, "max_abs": max(absd) if absd else None,
+            "median_signed": statistics.median(errs) if errs else None,
+            "under_5": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.05],
+            "under_10": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.10],
+            "verdict_wrong": [r["id"] for r in results if r["verdict_ok"] is False]}
+
+
+def leave_one_group_out(cases: list[Case]) -> dict:
+    """For each group: fit FITTED on the other groups (grid, least median |error|), error on this one."""
+    groups = sorted({c.group for c in cases if c.measured is not None})
+    table = {}
+    for name in FITTED:
+        grid = FIT_GRID[name]
+        per_value = {v: [predict(c, DEFAULT_PROFILE.with_values(**{name: v})) for c in cases] for v in grid}
+        for g in groups:
+            def score(v):
+                errs = [abs(r["error"]) for r in per_value[v] if r["group"] != g and r["error"] is not None]
+                return statistics.median(errs) if errs else 0.0
+            best = min(grid, key=score)
+            held = summarize([r for r in per_value[best] if r["group"] == g])
+            table.setdefault(g, {})[name] = {"fitted": best, "default": getattr(DEFAULT_PROFILE, name),
+                                             "median_abs": held["median_abs"], "max_abs": held["max_abs"]}
+    return table
+
+
+def _pct(x) -> str:
+    return "   -  " if x is None else f"{100 * x:+6.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="published runs (JSON lines)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rows", action="store_true", help="print every row")
+    ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
+    args = ap.parse_args(argv)
+    if not args.file.is_file():
+        print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
+        return 2
+    cases, skipped = load(args.file)
+    results = [predict(c) for c in cases]
+    groups = sorted({r["group"] for r in results} | {s["group"] for s in skipped})
+    per_group = {g: summarize([r for r in results if r["group"] == g]) for g in groups}
+    for g in groups:
+        per_group[g]["skipped"] = sum(1 for s in skipped if s["group"] == g)
+    overall = summarize(results)
+    overall["skipped"] = len(skipped)
+    logo = {} if args.no_logo else leave_one_group_out(cases)
+    if args.json:
+        print(json.dumps({"overall": overall, "groups": per_group, "rows": results, "skipped": skipped,
+                          "leave_one_group_out": logo}, indent=1))
+        return 0
+    print(f"{'group':14s} {'used':>4s} {'skip':>4s} {'cmp':>4s} {'median|e|':>9s} {'max|e|':>8s} {'median':>8s}"
+          f" {'<-5%':>4s} {'verdict wrong':>13s}")
+    for name, s in [*per_group.items(), ("overall", overall)]:
+        med = "    -  " if s["median_abs"] is None else f"{100 * s['median_abs']:6.1f}%"
+        mx = "    -  " if s["max_abs"] is None else f"{100 * s['max_abs']:6.1f}%"
+        print(f"{name:14s} {s['rows']:4d} {s['skipped']:4d} {s['compared']:4d} {med:>9s} {mx:>8s}"
+              f" {_pct(s['median_signed']):>8s} {len(s['under_5']):4d} {len(s['verdict_wrong']):13d}")
+    if args.rows:
+        print("\nrow (metric, status): predicted / measured GB, error")
+        for r in results:
+            meas = "OOM" if r["measured"] is None else f"{r['measured'] / 1e9:7.2f}"
+            print(f"  {r['id'][:70]:70s} {r['metric']:10s} {r['strategy'][:30]:30s} {r['predicted'] / 1e9:7.2f} / "
+                  f"{meas:>7s} {_pct(r['error'])} fits={r['fits']}")
+    under = [r for r in results if r["error"] is not None and r["error"] < -0.05]
+    print("\nrows more than 5 % under their measurement:" + ("" if under else " none"))
+    for r in under:
+        print(f"  {r['id']}: {_pct(r['error'])} ({r['metric']}, {r['strategy']})")
+    wrong = [r for r in results if r["verdict_ok"] is False]
+    print("rows with the wrong fit verdict:" + ("" if wrong else " none"))
+    for r in wrong:
+        print(f"  {r['id']}: status {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB on a "
+              f"{r['id'] and 'card'} -> fits={r['fits']}")
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["why"]] = reasons.get(s["why"], 0) + 1
+    print(f"\nskipped {len(skipped)} rows:")
+    for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d}  {why}")
+    if logo:
+        print("\nleave-one-group-out (constants fitted on the other groups; error on the group left out):")
+        for g, fits in logo.items():
+            for name, f in fits.items():
+                med = "-" if f["median_abs"] is None else f"{100 * f['median_abs']:.1f}%"
+                mx = "-" if f["max_abs"] is None else f"{100 * f['max_abs']:.1f}%"
+                print(f"  {g:14s} {name}={f['fitted']:g} (default {f['default']:g}): median |e| {med}, max |e| {mx}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
