@@ -47,7 +47,7 @@ class Profile:
     logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
     logits_live_during_recompute: float = 0.0  # with checkpointing: fraction of the logits line still live while the last layer recomputes (traced: none, the loss's backward has run)
     optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
-    optimizer_step_temp_bytes_gpu: float = 0.0  # GPUs: fused AdamW (the HF Trainer's default on CUDA) updates in place
+    adamw_foreach_temp_copies: float = 1.0  # GPUs: torch AdamW's foreach step (memfit's trainer asks for "adamw_torch"; the HF Trainer's default before torch 2.8) allocates exp_avg_sq_sqrt, one state-sized tensor per param (torch/optim/adam.py:762); fused AdamW: 0
     zero_fp32_grad_bytes: float = 4.0  # DeepSpeed 16-bit training: fp32 copy of the local gradient partition for the step
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------

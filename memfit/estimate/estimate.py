@@ -235,7 +235,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
-    step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
+    if gpu.is_cpu:
+        step_temp += local_opt * p.optimizer_step_temp_bytes
+    elif st.optimizer == "adamw" and family != "deepspeed":  # DeepSpeed steps with its own fused Adam
+        step_temp += local_opt * p.adamw_foreach_temp_copies * o_b / 2.0  # one state-sized sqrt(v) per param
     if family == "deepspeed" and prec != "fp32" and not off_opt:
         step_temp += local_opt * p.zero_fp32_grad_bytes
     phases.append((grads + step_temp, 0.0))  # C: the optimizer step
