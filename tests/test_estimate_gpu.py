@@ -28,3 +28,33 @@ def test_foreach_adamw_step_allocates_one_state_sized_sqrt():
     # DeepSpeed steps with its own fused Adam: no sqrt temporary
     z = estimate(m, parse_hardware("8xA100-80GB"), Strategy(method="full", zero_stage=3))
     assert z.gpu["step_temporaries"] == 4 * P / 8  # only its fp32 copy of the 16-bit gradient partition
+
+
+def test_qlora_after_prepare_model_for_kbit_training_runs_an_fp32_stream():
+    # fp32 embeddings/norms (peft/utils/other.py:205-209): the residual stream is fp32 and Linear4bit casts
+    # its output back to the input dtype (bitsandbytes/nn/modules.py:637), so MLP values are fp32 too
+    from memfit.estimate import activations as A
+    from memfit.estimate.constants import DEFAULT_PROFILE as P
+    m = resolve_model("mistral-7b")
+    kw = dict(s=1024, b=1, e=2.0, attention="fa2", checkpointing=True, profile=P, method="qlora", shares=False)
+    bf16 = A.activation_parts(m, **kw)
+    fp32 = A.activation_parts(m, **kw, fp32_stream=True)
+    # checkpointed layer inputs: 32 layers x 4 B x 1024 x 4096 (2 B in a 16-bit stream)
+    assert fp32[0] == 32 * 4 * 1024 * 4096 and bf16[0] == 32 * 2 * 1024 * 4096
+    # the recomputed layer: SwiGLU gate, act, up in fp32 (+2 B x 3 x 14336 per token); the layer input is
+    # now the first norm's fp32 copy itself (-4 B x 4096)
+    assert fp32[1] - bf16[1] == 1024 * (2 * 3 * 14336 - 4 * 4096)
+    # one layer's backward: fp32 residual gradient (+2 B x 4096) and fp32 MLP gradients: the product's, act's
+    # and up's, as down_proj (Linear4bit) never saved the product (bitsandbytes autograd/_functions.py:357)
+    assert fp32[3] - bf16[3] == 1024 * (2 * 4096 + 2 * 3 * 14336)
+
+
+def test_qlora_fp32_head_keeps_its_16bit_autocast_copy():
+    m = resolve_model("mistral-7b")
+    st = Strategy(method="qlora", gradient_checkpointing=True, seq_len=1024, attention="fa2")
+    on = estimate(m, A100, st)
+    off = estimate(m, A100, st, profile=Profile(qlora_fp32_upcast=0.0))
+    # weights: embeddings, head and norms in fp32 instead of bf16: +2 B x (2 x 32000 x 4096 + 65 x 4096)
+    assert on.gpu["weights"] - off.gpu["weights"] == 2 * (2 * 32000 * 4096 + 65 * 4096)
+    # the head's bf16 weight copy (32000 x 4096 x 2 B) is saved from its forward to its backward
+    assert on.gpu["activations"] > off.gpu["activations"] + 32000 * 4096 * 2

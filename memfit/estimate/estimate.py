@@ -67,6 +67,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is trained, what is frozen, and at what storage --------------------------------------
     targets = ()
     adapter_params = 0.0
+    fp32_stream = False  # QLoRA after prepare_model_for_kbit_training: fp32 embeddings, norms and head
     if method == "full":
         p_t, frozen_bytes = P, 0.0
     elif method in ("lora", "qlora"):
@@ -81,6 +82,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             # their uniform-dtype flattening: fsdp-qlora.md), where it stays in the 16-bit storage dtype
             upcast = p.qlora_fp32_upcast and not (st.fsdp or st.zero_stage == 3)
             other_b = 4.0 if (upcast or prec == "fp32") else 2.0
+            fp32_stream = bool(upcast) and prec != "fp32"
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
         else:
             frozen_bytes = P * half
@@ -144,11 +146,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,
         shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
-        adapter_mlp_side=after_attn)
+        adapter_mlp_side=after_attn, fp32_stream=fp32_stream)
     # at the end of the forward the model still holds the final norm's output, and its KV cache (use_cache:
     # what the trainer leaves on unless checkpointing turns it off): under autocast RoPE promotes k to
     # fp32 while SDPA saves its own 16-bit copy, elsewhere the cache shares what attention saves
-    r_b = 4.0 if (e == 4.0 or autocast) else e
+    r_b = 4.0 if (e == 4.0 or autocast or fp32_stream) else e
+    if fp32_stream:  # the fp32 head under autocast: its 16-bit weight copy is saved for the input's gradient
+        act_tail += (model.head_parameters or model.embedding_parameters) * half * p.activation_scale
     act_fwd = float(b) * s * (r_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
