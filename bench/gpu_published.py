@@ -152,6 +152,11 @@ def convert(row: dict) -> Case:
     model_id = row["model"]
     if model_id not in MODELS:
         raise Skip(UNSUPPORTED.get(model_id.split("/")[-1].split("_")[0].split("-")[0], f"model {model_id}"))
+    engine = _engine(row)
+    try:
+        spec = resolve_model(MODELS[model_id])
+    except MemfitError as err:
+        raise Skip(str(err)) from None
     status = (row.get("status") or "").lower()
     status = "oom" if ("oom" in status or "failed" in status) else "boundary" if "boundary" in status else "success"
     prim = row.get("primary_memory") or {}
@@ -172,9 +177,11 @@ def convert(row: dict) -> Case:
         raise Skip("gradient checkpointing not published")
     attn = (row.get("attention_implementation") or "").lower()
     attention = "fa2" if "flash_attention_2" in attn else "eager" if attn.startswith("eager") else "sdpa"
+    # learned positions cap the length (santacoder: 2048; its 4096-token packing is truncated to it)
+    seq = min(int(seq), spec.max_positions)
     kw = dict(method=method, micro_batch_size=int(row["micro_batch_size"]), seq_len=int(seq),
               grad_accum=int(row.get("grad_accumulation") or 1), gradient_checkpointing=not gc_text.startswith("no"),
-              attention=attention, precision=_precision(row, method), **lora, **_engine(row))
+              attention=attention, precision=_precision(row, method), **lora, **engine)
     q = (row.get("quantization") or "").lower()
     if method == "qlora":
         kw["double_quant"] = "double" in q or "nested" in q or "4-bit (qlora)" in q
@@ -184,10 +191,6 @@ def convert(row: dict) -> Case:
         strategy = Strategy(**kw)
     except Exception as err:  # pydantic: a combination memfit does not model
         raise Skip(f"strategy not expressible: {str(err).splitlines()[-1]}") from None
-    try:
-        resolve_model(MODELS[model_id])
-    except MemfitError as err:
-        raise Skip(str(err)) from None
     measured = None if status == "oom" else (cap if metric == "capacity" else _bytes(prim))
     return Case(row["id"], group, MODELS[model_id], _hardware(row, cap), strategy, metric, measured, status,
                 row.get("reliability") or "")

@@ -58,3 +58,34 @@ def test_qlora_fp32_head_keeps_its_16bit_autocast_copy():
     assert on.gpu["weights"] - off.gpu["weights"] == 2 * (2 * 32000 * 4096 + 65 * 4096)
     # the head's bf16 weight copy (32000 x 4096 x 2 B) is saved from its forward to its backward
     assert on.gpu["activations"] > off.gpu["activations"] + 32000 * 4096 * 2
+
+
+def test_mixtral_holds_every_expert_and_routes_top_k():
+    m = resolve_model("mixtral-8x7b")
+    # per layer: q, o 4096^2 + k, v 4096 x 1024 + router 4096 x 8 + 8 experts x 3 x 4096 x 14336 + 2 norms
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 8 * 3 * 4096 * 14336 + 2 * 4096
+    assert m.layer_parameters == layer
+    assert m.parameters == 32 * layer + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    assert m.intermediate == 2 * 14336  # the MLP width a token passes through (top-2)
+    # LoRA on the experts' w1: one adapter per expert, r x (4096 + 14336) each
+    assert m.lora_parameters(("w1",), 8) == 32 * 8 * 8 * (4096 + 14336)
+    from memfit.estimate import activations as A
+    # backward: experts run one after another on their top-2/8 share: the residual gradient 2 B x 4096 and
+    # two gradients (act's, up's; the product was saved) of width 2 x 14336 / 8 = 3584
+    extra = A.backward_extra_bytes(m, 1024, 1, 2.0, 2.0, "fa2", 0.0)
+    assert extra == 1024 * (2 * 4096 + 2 * 3584 * 2)
+
+
+def test_qwen2_moe_shared_expert_and_gpt_bigcode_and_granite():
+    q = resolve_model("qwen1.5-moe-a2.7b")
+    assert q.parameters == 14_315_784_192 and q.intermediate == 4 * 1408 + 5632
+    assert set(q.linear_names()) >= {"gate_proj", "up_proj", "down_proj", "shared_expert_gate"}
+    sc = resolve_model("santacoder")
+    # per layer: c_attn 2048 x (2048 + 2 x 128) + c_proj 2048^2 + c_fc, c_proj 2 x 2048 x 8192, biases,
+    # 2 LayerNorms (weight + bias); wte 49280 x 2048 (tied head) + wpe 2048 x 2048 + ln_f
+    layer = 2048 * 2304 + 2304 + 2048**2 + 2048 + 2 * 2048 * 8192 + 8192 + 2048 + 2 * 2 * 2048
+    assert sc.parameters == 24 * layer + 49280 * 2048 + 2048 * 2048 + 2 * 2048 == 1_124_886_528
+    assert sc.kv_heads == 1 and sc.hidden_dropout == 0.1
+    assert sc.lora_parameters(("c_proj",), 8) == 24 * 8 * ((2048 + 2048) + (8192 + 2048))  # both c_proj
+    g = resolve_model("granite-3.0-8b")
+    assert g.family == "granite" and g.parameters == 8_170_848_256

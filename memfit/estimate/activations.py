@@ -32,7 +32,9 @@ from memfit.spec.model import ModelSpec
 ROLES = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "query_key_value": "attn_in",
          "o_proj": "attn_out", "dense": "attn_out",
          "gate_proj": "mlp_in", "up_proj": "mlp_in", "dense_h_to_4h": "mlp_in",
-         "down_proj": "mlp_out", "dense_4h_to_h": "mlp_out"}
+         "down_proj": "mlp_out", "dense_4h_to_h": "mlp_out", "w2": "mlp_out", "experts.down_proj": "mlp_out",
+         "shared_expert.down_proj": "mlp_out", "c_attn": "attn_in", "attn.c_proj": "attn_out", "c_fc": "mlp_in",
+         "mlp.c_proj": "mlp_out"}  # any other (gate/up, experts' w1/w3, routers) reads the MLP's norm output
 _CACHE: dict = {}
 
 
@@ -92,6 +94,8 @@ def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, 
         attn_side += e * (q + 2 * kv) + e * q + 4.0 * model.heads  # q, k, v, output, fp32 log-sum-exp
     gated = model.mlp in ("swiglu", "geglu")
     mlp_side += (e_mlp or e) * f * ((3 if gated else 1) + (1 if mlp_out else 0))
+    if model.experts:  # each routed copy's output, saved by its multiplication with the routing weight
+        mlp_side += (e_mlp or e) * h * model.experts_per_token + 4.0 * model.experts  # + fp32 router softmax
     if model.hidden_dropout > 0:
         mlp_side += (1 + e) * 2 * h
     return attn_side + mlp_side, mlp_side, score
@@ -108,7 +112,11 @@ def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, a
     already freed by then. ``adapter_grad``: bytes per token of the gradient of a cast adapter input
     (fp32 LoRA on a 16-bit base) that the MLP's backward adds."""
     tokens = float(b) * s
-    mlp = tokens * ((e_mlp or e) * model.intermediate * ((2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
+    width = model.intermediate
+    if model.experts:  # experts run one after another, each on its top-k / E share of the tokens (the shared
+        routed = model.experts_per_token * model.moe_intermediate  # expert on all): one's gradients at a time
+        width = max(routed / model.experts, model.intermediate - routed)
+    mlp = tokens * ((e_mlp or e) * width * ((2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
                                               + (0.0 if product_saved else 1.0)) + adapter_grad)
     eager = 0.0
     if attention == "eager":

@@ -141,7 +141,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     widest = max((lin.in_features for lin in model.linears if lin.name in adapted), default=0)
     copy_b = ((cast_copy or e) + mask_b) if st.lora_dropout > 0 else cast_copy
     rank_b = 4.0 if cast_copy == 4.0 else e
-    after_attn = sum(copy_b * lin.in_features + rank_b * st.lora_r for lin in model.linears
+    after_attn = sum((copy_b * lin.in_features + rank_b * st.lora_r) * lin.count * lin.active for lin in model.linears
                      if lin.name in adapted and A.ROLES.get(lin.name) != "attn_in")
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,

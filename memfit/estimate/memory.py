@@ -62,8 +62,9 @@ class ModelNumbers:
         """(adapted linears per layer, sum of their in_features, their names) for ``targets`` (cached)."""
         hit = self._lora.get(targets)
         if hit is None:
-            lins = self.model.lora_linears(targets)
-            hit = (len(lins), sum(lin.in_features for lin in lins), frozenset(lin.name for lin in lins))
+            lins = self.model.lora_linears(targets)  # per token: an expert's adapter sees top-k / E of them
+            hit = (sum(lin.count * lin.active for lin in lins),
+                   sum(lin.count * lin.active * lin.in_features for lin in lins), frozenset(lin.name for lin in lins))
             self._lora[targets] = hit
         return hit
 
