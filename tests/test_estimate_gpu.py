@@ -1,5 +1,7 @@
 """The CUDA side of the estimator, pinned to hand-computed bytes (issue 9)."""
 
+import pytest
+
 from memfit.estimate import Profile, estimate
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
@@ -89,3 +91,61 @@ def test_qwen2_moe_shared_expert_and_gpt_bigcode_and_granite():
     assert sc.lora_parameters(("c_proj",), 8) == 24 * 8 * ((2048 + 2048) + (8192 + 2048))  # both c_proj
     g = resolve_model("granite-3.0-8b")
     assert g.family == "granite" and g.parameters == 8_170_848_256
+
+
+def test_nf4_quant_state_is_neither_sharded_nor_offloaded():
+    # bitsandbytes keeps absmax/nested quant in Params4bit.quant_state (a module attribute): ZeRO-3 and FSDP
+    # shard the packed 4-bit data only, so every rank holds all of it (cuda-memory.md; bnb issue 1945)
+    m = resolve_model("llama-2-70b")
+    linear = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    assert m.linear_layer_parameters == linear == 68_451_041_280
+    other = m.parameters - linear
+    p_t = 80 * 8 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 28672) * 2 + (28672 + 8192))
+    st = Strategy(method="qlora", zero_stage=3, lora_r=8, lora_targets=("all-linear",), quant_storage="bf16",
+                  gradient_checkpointing=True)
+    est = estimate(m, parse_hardware("2xA100-40GB"), st)
+    qs = linear * 0.0159  # double-quant absmax per value
+    weights_all = linear * (0.5 + 0.0159) + other * 2 + p_t * 2  # DeepSpeed holds the adapters in bf16
+    dequant = 8192 * 28672 * 2  # the running Linear4bit's 16-bit weight
+    assert est.gpu["weights"] == pytest.approx((weights_all - qs) / 2 + qs + dequant, rel=1e-12)
+    # ZeRO-3's live-parameter limit counts stored elements: a bf16 element packs 4 NF4 values, so the 1e9
+    # default gathers 4e9 values' worth: 4e9 x (weights_all - qs) / P bytes
+    assert est.gpu["gathered_params"] == pytest.approx(4e9 * (weights_all - qs) / m.parameters, rel=1e-12)
+    off = estimate(m, parse_hardware("2xA100-40GB"), st.model_copy(update={"offload": "optimizer+params"}))
+    assert off.gpu["weights"] == pytest.approx(qs + dequant, rel=1e-12)  # offload keeps these on the GPU
+
+
+def test_sdpa_backend_by_gpu_generation():
+    from memfit.estimate.cuda import sdpa_backend
+    from memfit.spec.hardware import find_gpu
+    l8, l2 = resolve_model("llama-3.1-8b"), resolve_model("llama-2-7b")
+    assert sdpa_backend(find_gpu("A100-80GB"), l8, "bf16-mixed", "sdpa") == "flash"
+    # V100: no flash (sm70); with a padding mask transformers expands k/v and memory-efficient runs
+    assert sdpa_backend(find_gpu("V100-32GB"), l8, "fp16-mixed", "sdpa") == "memory-efficient"
+    # packed batches carry no mask: enable_gqa=True, which memory-efficient rejects -> the math kernel
+    assert sdpa_backend(find_gpu("V100-32GB"), l8, "fp16-mixed", "sdpa", packed=True) == "math"
+    assert sdpa_backend(find_gpu("V100-32GB"), l2, "fp16-mixed", "sdpa", packed=True) == "memory-efficient"
+    assert sdpa_backend(find_gpu("A100-80GB"), l8, "fp32", "sdpa", packed=True) == "math"  # flash needs 16-bit
+    assert sdpa_backend(find_gpu("A100-80GB"), l8, "bf16-mixed", "fa2") == "flash_attention_2"
+    st = Strategy(method="lora", seq_len=2048)
+    assert estimate(l8, A100, st).to_dict()["memory"]["attention_backend"] == "flash"
+    assert estimate(l8, parse_hardware("1xV100-32GB"),
+                    st.model_copy(update={"precision": "fp16-mixed"})).attention_backend == "memory-efficient"
+
+
+def test_reserved_is_allocated_plus_cached_layer_working_sets():
+    from memfit.estimate.cuda import context_bytes, nccl_bytes, reserved_gap
+    from memfit.spec.hardware import find_gpu
+    p = Profile(fragmentation=0.04, allocator_cached_layers=1.25)
+    assert reserved_gap(10e9, 2e9, False, p) == 1.25 * 2e9 + 0.04 * 10e9
+    assert reserved_gap(10e9, 2e9, False, p.with_values(expandable_segments=1.0)) == 0.04 * 10e9
+    gib = 2**30
+    assert context_bytes(find_gpu("A100-80GB"), p) == 0.8 * gib
+    assert context_bytes(find_gpu("H100-80GB"), p) == 0.9 * gib
+    assert nccl_bytes(parse_hardware("1xA100-80GB"), p) == 0
+    assert nccl_bytes(parse_hardware("8xH100-80GB"), p) == 1.5 * gib  # NVLink buffers + NVLS
+    assert nccl_bytes(parse_hardware("2xRTX4090-24GB"), p) == 0.2 * gib  # PCIe, few channels
+    est = estimate(resolve_model("mistral-7b"), A100, Strategy(method="lora"))
+    d = est.to_dict()["memory"]
+    assert d["gpu_reserved_bytes"] - d["gpu_allocated_bytes"] == round(est.gpu_overhead["allocator_fragmentation"])
+    assert abs(d["gpu_bytes"]["total"] - d["gpu_reserved_bytes"] - 0.8 * gib) <= 1

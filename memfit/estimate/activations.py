@@ -101,6 +101,15 @@ def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, 
     return attn_side + mlp_side, mlp_side, score
 
 
+def score_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str) -> float:
+    """Bytes of one layer's saved score matrices (eager: the fp32 softmax and its cast; 0 for fused kernels)."""
+    if attention != "eager":
+        return 0.0
+    score = e if model.family == "falcon" else 4.0 + (e if e != 4.0 else 0.0)
+    score += (1.0 + e) if model.attention_dropout > 0 else 0.0
+    return float(b) * model.heads * s * s * score
+
+
 def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, attention: str,
                          mlp_side: float, adapter_grad: float = 0.0, product_saved: bool = True,
                          e_mlp: float = 0.0) -> float:

@@ -52,8 +52,14 @@ class Profile:
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)
-    nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 (memory-model.md: 1–2 GiB incl. streams)
-    fragmentation: float = 0.08  # caching-allocator fragmentation: reserved − allocated, as a fraction of the formula lines (5–20 %)
+    cuda_context_hopper_extra_bytes: float = 0.1 * GiB  # Hopper: larger cuBLAS/cuBLASLt workspaces (32 MiB per handle and stream) and kernels (cuda-memory.md)
+    nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 over NVLink (many channels) (memory-model.md: 1–2 GiB incl. streams)
+    nccl_buffer_pcie_bytes: float = 0.2 * GiB  # NCCL buffers over PCIe without P2P (few channels; cuda-memory.md: small)
+    nccl_nvls_bytes: float = 1.0 * GiB  # NVLink SHARP (NVLS) buffers on Hopper NVSwitch nodes (> 2 GPUs) (cuda-memory.md: ~1 GB)
+    fragmentation: float = 0.04  # caching allocator: reserved − allocated from block splitting/rounding, as a fraction of the allocated peak (fitted on published runs: bench/gpu_published.py; leave-one-group-out 0.04–0.06)
+    allocator_cached_layers: float = 1.25  # layer working sets the caching allocator keeps cached but cannot reuse for the loss/step's larger blocks (fitted on published runs: bench/gpu_published.py; leave-one-group-out 1–1.25)
+    fragmentation_offload: float = 0.0  # + fraction of allocated with offload (side streams keep their own pools; GMLake: up to ~33 %)
+    expandable_segments: float = 0.0  # 1.0: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (freed pages remapped: no cached-layer term)
     fragmentation_cpu: float = 0.0  # CPU pseudo-device: no caching-allocator gap (glibc's RSS excess is in process_baseline_bytes)
     ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
     zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
@@ -88,7 +94,7 @@ class Profile:
     @classmethod
     def flag_names(cls) -> list[str]:
         """0/1 switches, not quantities: a calibration should leave them alone."""
-        return ["activation_korthikanti", "qlora_fp32_upcast"]
+        return ["activation_korthikanti", "qlora_fp32_upcast", "expandable_segments"]
 
     @classmethod
     def calibratable_names(cls) -> list[str]:

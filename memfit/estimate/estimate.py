@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memfit.estimate import activations as A
+from memfit.estimate import cuda as CU
 from memfit.estimate import memory as M
 from memfit.estimate import meft as MF
 from memfit.estimate.meft import meft_traffic_bytes
@@ -22,6 +23,7 @@ from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec, lora_target_reason
 from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
 
+STORAGE_BYTES = {"uint8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}  # bnb_4bit_quant_storage element
 _ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                 "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
 
@@ -67,6 +69,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is trained, what is frozen, and at what storage --------------------------------------
     targets = ()
     adapter_params = 0.0
+    quant_state = 0.0  # NF4 absmax (+ nested quant): module attributes that FSDP/ZeRO neither shard nor offload
     fp32_stream = False  # QLoRA after prepare_model_for_kbit_training: fp32 embeddings, norms and head
     if method == "full":
         p_t, frozen_bytes = P, 0.0
@@ -84,6 +87,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             other_b = 4.0 if (upcast or prec == "fp32") else 2.0
             fp32_stream = bool(upcast) and prec != "fp32"
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
+            quant_state = nums.linear_params * absmax
         else:
             frozen_bytes = P * half
     else:  # meft: adapter on CPU, router (h × experts per layer) trained on the GPU
@@ -101,15 +105,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     weights_all = frozen_bytes + p_t * w_b  # one full copy of the model's weights as stored
     compute_all = frozen_bytes + p_t * (copy_b or w_b)  # one full copy in the dtype the matmuls use
-    weights = weights_all / n if (sharded_w or family == "fsdp") else weights_all
+    sharded_all = sharded_w or family == "fsdp"
+    weights = (weights_all - quant_state) / n + quant_state if sharded_all else weights_all
     autocast_copy = 0.0
     if family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
         autocast_copy = p_t * copy_b  # backward; gone once backward has used them
         weights += autocast_copy
     elif engine == "sgo":
         weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
-    if method == "qlora":
-        weights += nums.largest_linear * 2.0  # one linear dequantised to 16-bit at a time
     grads = p_t * g_b / (n if shard_g else 1)
     optim = p_t * o_b / (n if shard_o else 1)
     cpu_opt = cpu_grads = cpu_params = 0.0
@@ -117,13 +120,16 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         cpu_opt, optim = optim, 0.0
         cpu_grads = p_t * 4.0 / n  # fp32 gradient partition where the CPU optimizer reads it
         grads = 0.0
-    if off_par:
-        cpu_params = weights_all / n
-        weights = 0.0
+    if off_par:  # the quantisation state stays on the GPU (a buffer, not a flat parameter)
+        cpu_params = (weights_all - quant_state) / n
+        weights = quant_state
+    if method == "qlora":  # one Linear4bit dequantised to 16-bit at a time, whatever the offload
+        weights += nums.largest_linear * 2.0
 
     # ---- activations, logits, adapters -------------------------------------------------------------
     gc = st.gradient_checkpointing
-    attention = st.attention
+    backend = CU.sdpa_backend(gpu, model, prec, st.attention)  # the kernel SDPA dispatches to on this GPU
+    attention = CU.attention_for_memory(backend, st.attention)
     # fp32 adapters on a 16-bit base: PEFT casts lora_A's input to fp32; lora_A saves that copy in pure
     # bf16, or autocast's 16-bit copy of it under mixed precision (traced). In fp32, and where the engine
     # holds the adapters in 16-bit (DeepSpeed, FSDP), lora_A reads the base linear's input.
@@ -188,7 +194,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                            p.zero3_max_reuse_distance),
                        max(p.zero3_max_live_parameters, nums.largest_linear))
             comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
-            gathered = min(live, P) * weights_all / P
+            # the limits count elements of the stored tensors: NF4 packs 2 values per uint8, 4 per bf16
+            per_elem = STORAGE_BYTES[st.quant_storage] / p.nf4_bytes_per_param if method == "qlora" else 1.0
+            gathered = min(live * per_elem, P) * (weights_all - quant_state) / P
     elif engine == "sgo":
         comm = min(nums.layer_params, p_t) * g_comm
         layer_bufs = comm  # a layer's unsharded gradients: only in backward
@@ -252,9 +260,15 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     lines_sum = static + layer_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
-    cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
-    nccl = p.nccl_buffer_bytes if (n > 1 and not gpu.is_cpu) else 0.0
-    frag = formula * (p.fragmentation_cpu if gpu.is_cpu else p.fragmentation)
+    cuda_ctx = CU.context_bytes(gpu, p)
+    nccl = CU.nccl_bytes(hardware, p)
+    if gpu.is_cpu:
+        frag = formula * p.fragmentation_cpu
+    else:  # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
+        # (eager's score matrices are single large blocks the allocator splits for later requests: not counted)
+        working_set = ((act_layers + lora_int) / (p.checkpoint_extra_layers if gc else model.layers)
+                       - A.score_bytes(model, s, b, e, attention) * p.activation_scale)
+        frag = CU.reserved_gap(formula, working_set, off_opt or off_par, p)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
@@ -355,4 +369,5 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
                     cpu=cpu_lines, cpu_phase="loading" if loading > steady else "training", time=time,
                     traffic=traffic, fits=not reasons, reasons=reasons, trainable_parameters=trainable_total,
-                    floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable)
+                    floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable,
+                    attention_backend=backend)
