@@ -149,3 +149,31 @@ def test_reserved_is_allocated_plus_cached_layer_working_sets():
     d = est.to_dict()["memory"]
     assert d["gpu_reserved_bytes"] - d["gpu_allocated_bytes"] == round(est.gpu_overhead["allocator_fragmentation"])
     assert abs(d["gpu_bytes"]["total"] - d["gpu_reserved_bytes"] - 0.8 * gib) <= 1
+
+
+def test_fsdp_units_at_their_real_dtype_and_one_layers_adapter_grads():
+    # accelerate 1.15 (fsdp_utils.py:865-880): decoder layers, an untied embedding, and a tail unit (final
+    # norm + lm_head) that stays gathered from the forward's end until its backward. LoRA r=8 on q, v of
+    # Llama-2-7B under bf16 mixed precision: layers gathered in bf16
+    m = resolve_model("llama-2-7b")
+    layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    assert m.layer_parameters == layer == 202_383_360
+    adapters = 8 * (4096 + 4096) * 2  # one layer's q and v adapters
+    layer_b = layer * 2 + adapters * 2
+    tail_b = (32000 * 4096 + 4096) * 2  # lm_head and the final norm, frozen, 16-bit
+    st = Strategy(method="lora", fsdp="full_shard", lora_r=8, lora_targets=("q_proj", "v_proj"),
+                  gradient_checkpointing=True)
+    est = estimate(m, parse_hardware("2xA100-80GB"), st)
+    assert est.gpu["gathered_params"] == 2 * layer_b + tail_b  # current + prefetched layer, and the tail
+    # one layer's adapters' unsharded bf16 gradients + the reduce-scatter output (1/2 of them)
+    assert est.gpu["comm_buffers"] == adapters * 2 * 1.5
+    off = estimate(m, parse_hardware("2xA100-80GB"), st.model_copy(update={"offload": "optimizer+params"}))
+    # CPUOffloadPolicy: each gathered layer's shard is first copied to the GPU (_fsdp_param.py:897-899)
+    assert off.gpu["gathered_params"] == 2 * layer_b + tail_b + 2 * layer_b / 2
+    assert off.gpu["weights"] == 0  # parameters, gradients and optimizer state on the CPU
+    # QLoRA with the default uint8 storage: accelerate leaves Params4bit out of FSDP2 (fsdp_utils.py:800-811)
+    q8 = estimate(m, parse_hardware("2xA100-80GB"), Strategy(method="qlora", fsdp="full_shard"))
+    q16 = estimate(m, parse_hardware("2xA100-80GB"), Strategy(method="qlora", fsdp="full_shard",
+                                                              quant_storage="bf16"))
+    linear = 32 * (4 * 4096**2 + 3 * 4096 * 11008)
+    assert q8.gpu["weights"] - q16.gpu["weights"] == pytest.approx(linear * 0.5 / 2, rel=1e-9)

@@ -13,6 +13,7 @@ from typing import Optional
 
 from memfit.estimate import activations as A
 from memfit.estimate import cuda as CU
+from memfit.estimate import fsdp as F
 from memfit.estimate import memory as M
 from memfit.estimate import meft as MF
 from memfit.estimate.meft import meft_traffic_bytes
@@ -88,6 +89,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             fp32_stream = bool(upcast) and prec != "fp32"
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
             quant_state = nums.linear_params * absmax
+            if st.fsdp and st.quant_storage == "uint8":  # accelerate leaves non-float Params4bit out of FSDP2
+                quant_state += nums.linear_params * p.nf4_bytes_per_param  # (fsdp_utils.py:800-811): replicated
         else:
             frozen_bytes = P * half
     else:  # meft: adapter on CPU, router (h × experts per layer) trained on the GPU
@@ -179,15 +182,20 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     h2 = float(model.hidden) ** 2
     gathered = comm = step_temp = 0.0
     layer_bufs = 0.0  # part of gathered/comm that exists only while decoder layers run (FSDP)
+    tail_bufs = 0.0  # part of gathered that exists only from the forward's end to the head's backward (FSDP)
     g_comm = g_b if family == "ddp" else min(g_b, half)  # FSDP reduces in the compute dtype
     if engine == "zero3":
-        if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
-            live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
-            comm = min(nums.layer_params, p_t) * g_comm  # one layer's unsharded grads before reduce-scatter
-            gathered = min(live, P) * compute_all / P
-            # the layers are resharded after their forward and backward: at the loss and in the step only
-            # the root unit is gathered (measured on 2 gloo ranks: FSDP2 at the loss)
-            layer_bufs = min(p.gathered_layers * nums.layer_params, P) * compute_all / P + comm
+        if fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
+            layer_b, tail_b, layer_t = F.fsdp_units(model, method, frozen_bytes - quant_state, p_t, half, half)
+            comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one layer's unsharded grads + reduce-scatter output
+            gathered = p.gathered_layers * layer_b + tail_b
+            if off_par:  # CPUOffloadPolicy: each gathered layer's shard is first copied to the GPU
+                gathered += p.gathered_layers * layer_b / n  # (_fully_shard/_fsdp_param.py:897-899)
+            # the layers are resharded after their forward and backward (current + prefetched gathered while
+            # layers run); the tail unit (final norm, head) stays gathered from the forward's end until its
+            # backward (accelerate fsdp_utils.py:871-880, reshard_after_forward=False); in the step nothing is
+            layer_bufs = gathered - tail_b + comm
+            tail_bufs = tail_b
         else:  # DeepSpeed gathers module by module (current + prefetch bucket) and does not release what is
             # reused within stage3_max_reuse_distance: at the forward/backward turn that much stays gathered
             live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
@@ -213,7 +221,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # Phases: A = start of backward (all saved activations + logits); with checkpointing B1 = last layer
     # recomputing (inputs + its working set + logits' grads); B2 = backward at the first layer (its
     # working set + nearly all gradients); C = the optimizer step (grads + step temporaries).
-    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs
+    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs - tail_bufs
     adapter_acts = lora_int + meft_acts
     # with accumulation, earlier micro-batches' gradients stay live; DeepSpeed ZeRO-3 allocates its flat
     # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
@@ -225,11 +233,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     mask = min(mask, act_bwd)
     saved = act_in + act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
     # candidate peaks as (bytes, the activation working memory beyond the saved tensors they hold)
-    phases = [(g_keep + autocast_copy + saved + logits, mask)]  # A: start of backward
+    phases = [(g_keep + autocast_copy + saved + logits + tail_bufs, mask)]  # A: start of backward
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
     fwd_logits = logits * ((e if e != 4.0 else 0.0) + 8.0) / 12.0
-    phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits), mask + act_fwd))
+    phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits) + tail_bufs, mask + act_fwd))
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters
     last = (nums.layer_params + model.head_parameters) / P if method == "full" else 1.0 / model.layers
@@ -257,7 +265,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     phase, held = max(phases)
     # the activations line: the saved tensors + the working memory the peak phase holds beyond them
     acts = act_in + act_layers + act_tail + held
-    lines_sum = static + layer_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
+    lines_sum = static + layer_bufs + tail_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
     cuda_ctx = CU.context_bytes(gpu, p)
