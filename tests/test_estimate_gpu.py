@@ -177,3 +177,21 @@ def test_fsdp_units_at_their_real_dtype_and_one_layers_adapter_grads():
                                                               quant_storage="bf16"))
     linear = 32 * (4 * 4096**2 + 3 * 4096 * 11008)
     assert q8.gpu["weights"] - q16.gpu["weights"] == pytest.approx(linear * 0.5 / 2, rel=1e-9)
+
+
+def test_deepspeed_buckets_from_the_runs_settings():
+    from memfit.spec.run import DistributedSpec
+    m = resolve_model("llama-2-70b")
+    hw = parse_hardware("8xA100-80GB")
+    st = Strategy(method="lora", zero_stage=2, lora_r=8, lora_targets=("q_proj", "v_proj"))
+    # the reduce bucket is allocated whole (stage_1_and_2.py:3266), twice with overlap_comm (:3273):
+    # HF's 'auto' = hidden^2 = 8192^2 elements in bf16, whatever few adapter gradients there are
+    assert estimate(m, hw, st).gpu["comm_buffers"] == 2 * 8192**2 * 2
+    d = DistributedSpec(reduce_bucket_size=500_000_000, allgather_bucket_size=100_000)
+    est = estimate(m, hw, st, distributed=d)
+    assert est.gpu["comm_buffers"] == 2 * 500_000_000 * 2
+    p_t = est.trainable_parameters
+    # the all-gather bucket (min(allgather_bucket_size, P_t) x 2 B) + the fp32 copy of the gradient partition
+    assert est.gpu["step_temporaries"] == 100_000 * 2 + p_t / 8 * 4
+    z3 = estimate(m, hw, st.model_copy(update={"zero_stage": 3}), distributed=d)
+    assert z3.gpu["comm_buffers"] == 500_000_000 * 2  # ZeRO-3: one bucket (stage3.py:782)

@@ -64,6 +64,7 @@ class Profile:
     ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
     zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
     zero_allgather_bucket_elements: float = 2e8  # DeepSpeed allgather_bucket_size (elements) for ZeRO-1/2
+    zero_overlap_comm: float = 1.0  # DeepSpeed overlap_comm (memfit's config on CUDA): a second reduce bucket (stage_1_and_2.py:3273)
     zero3_prefetch_per_h2: float = 0.9  # stage3_prefetch_bucket_size = 0.9·h² elements (HF 'auto')
     gathered_layers: float = 2.0  # FSDP full_shard: wrapped decoder layers gathered at once (current + prefetched)
     zero3_max_live_parameters: float = 1e9  # DeepSpeed stage3_max_live_parameters (default) caps gathered elements
@@ -94,7 +95,7 @@ class Profile:
     @classmethod
     def flag_names(cls) -> list[str]:
         """0/1 switches, not quantities: a calibration should leave them alone."""
-        return ["activation_korthikanti", "qlora_fp32_upcast", "expandable_segments"]
+        return ["activation_korthikanti", "qlora_fp32_upcast", "expandable_segments", "zero_overlap_comm"]
 
     @classmethod
     def calibratable_names(cls) -> list[str]:

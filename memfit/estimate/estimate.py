@@ -38,9 +38,12 @@ def _targets(model: ModelSpec, strategy: Strategy):
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
-             margin: float = 0.05, activation_formula: Optional[str] = None) -> Estimate:
-    """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style)."""
+             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
+    """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
+    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed."""
     p = profile or DEFAULT_PROFILE
+    if distributed is not None and strategy.zero_stage:
+        p = M.with_buckets(p, model, distributed)
     if activation_formula == "korthikanti" and not p.activation_korthikanti:
         p = p.with_values(activation_korthikanti=1.0)
     elif activation_formula not in (None, "derived", "korthikanti"):
@@ -201,7 +204,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
                            p.zero3_max_reuse_distance),
                        max(p.zero3_max_live_parameters, nums.largest_linear))
-            comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+            comm = p.zero_reduce_bucket_per_h2 * h2 * g_b  # one reduce bucket, allocated whole (stage3.py:782)
             # the limits count elements of the stored tensors: NF4 packs 2 values per uint8, 4 per bf16
             per_elem = STORAGE_BYTES[st.quant_storage] / p.nf4_bytes_per_param if method == "qlora" else 1.0
             gathered = min(live * per_elem, P) * (weights_all - quant_state) / P
@@ -209,7 +212,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         comm = min(nums.layer_params, p_t) * g_comm
         layer_bufs = comm  # a layer's unsharded gradients: only in backward
     elif engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C below)
-        comm = 2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+        # the reduce bucket, allocated whole, doubled with overlap_comm (stage_1_and_2.py:3266-3277)
+        # (memfit's DeepSpeed config turns overlap_comm on on CUDA only: memfit/distributed/config.py)
+        comm = (1.0 + (0.0 if gpu.is_cpu else p.zero_overlap_comm)) * p.zero_reduce_bucket_per_h2 * h2 * g_b
         step_temp = min(p.zero_allgather_bucket_elements, p_t) * w_b
     elif n > 1:
         comm = p_t * g_b * p.ddp_bucket_copy
