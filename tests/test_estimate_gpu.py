@@ -195,3 +195,16 @@ def test_deepspeed_buckets_from_the_runs_settings():
     assert est.gpu["step_temporaries"] == 100_000 * 2 + p_t / 8 * 4
     z3 = estimate(m, hw, st.model_copy(update={"zero_stage": 3}), distributed=d)
     assert z3.gpu["comm_buffers"] == 500_000_000 * 2  # ZeRO-3: one bucket (stage3.py:782)
+
+
+def test_qlora_loading_peak_on_one_gpu():
+    # loading quantises each 16-bit tensor on the GPU: the NF4 model + quant state + the rest in bf16, plus
+    # the larger of one 16-bit tensor being quantised and the fp32 upcast of the biggest non-quantised one
+    m = resolve_model("llama-3.1-8b")
+    linear = m.linear_layer_parameters
+    other = m.parameters - linear
+    est = estimate(m, A100, Strategy(method="qlora", gradient_checkpointing=True))
+    expected = linear * (0.5 + 0.0159) + other * 2 + max(128256 * 4096 * 2, 128256 * 4096 * 4)
+    assert est.gpu_loading == pytest.approx(expected, rel=1e-12)
+    assert est.to_dict()["memory"]["gpu_loading_bytes"] == round(expected)
+    assert estimate(m, A100, Strategy(method="lora")).gpu_loading == 0

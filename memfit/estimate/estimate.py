@@ -37,6 +37,24 @@ def _targets(model: ModelSpec, strategy: Strategy):
     return targets
 
 
+def _loading_peak(model, method, engine, fsdp, quant_state, nums, half, p) -> float:
+    """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).
+
+    bitsandbytes quantises each 16-bit checkpoint tensor as it reaches the GPU (Params4bit.to(cuda)), so
+    loading holds the whole quantised model plus one 16-bit tensor being quantised; then
+    prepare_model_for_kbit_training upcasts the non-quantised parameters to fp32 one at a time
+    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under FSDP transformers builds
+    the model on the CPU (rank 0) / meta device and FSDP moves shards, under zero.Init DeepSpeed partitions
+    while loading: no such peak is modelled there (accelerate/utils/fsdp_utils.py:790-797 warns of a
+    "VRAM spike" when Params4bit already sit on a GPU: not the path memfit's trainer takes)."""
+    if method != "qlora" or fsdp or engine == "zero3":
+        return 0.0
+    other = model.parameters - nums.linear_params
+    biggest = max(nums.largest_linear, model.embedding_parameters) * half
+    upcast = max(model.embedding_parameters, model.head_parameters) * 4.0
+    return nums.linear_params * p.nf4_bytes_per_param + quant_state + other * half + max(biggest, upcast)
+
+
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
              margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
     """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
@@ -288,6 +306,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "gathered_params": gathered, "comm_buffers": comm, "step_temporaries": step_temp,
                  "peak_concurrency": concurrency, "overhead": overhead, "total": formula + overhead}
 
+    gpu_loading = 0.0 if gpu.is_cpu else _loading_peak(model, method, engine, fsdp, quant_state, nums, half, p)
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
     meft_store = meft_host
@@ -374,6 +393,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         if gpu_total > usable:
             reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
                            f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
+        elif gpu_loading + cuda_ctx > usable:
+            reasons.append(f"GPU memory while loading: quantising to NF4 holds {(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
+                           f"per GPU before training starts, "
+                           f"usable {usable / 1e9:.2f} GB; over by {(gpu_loading + cuda_ctx - usable) / 1e9:.2f} GB")
         if cpu_total > hardware.cpu_ram_bytes:
             reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
                            f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
@@ -383,4 +406,4 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     cpu=cpu_lines, cpu_phase="loading" if loading > steady else "training", time=time,
                     traffic=traffic, fits=not reasons, reasons=reasons, trainable_parameters=trainable_total,
                     floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable,
-                    attention_backend=backend)
+                    attention_backend=backend, gpu_loading=gpu_loading)

@@ -18,17 +18,18 @@ class Estimate:
 
     __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
                  "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
-                 "margin", "usable_gpu_bytes", "attention_backend")
+                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading")
 
     def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
                  reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes,
-                 attention_backend: str = "") -> None:
+                 attention_backend: str = "", gpu_loading: float = 0.0) -> None:
         self.model, self.hardware, self.strategy = model, hardware, strategy
         self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
         self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
         self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
         self.attention_backend = attention_backend
+        self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training
 
     @property
     def gpu_allocated(self) -> float:
@@ -81,6 +82,7 @@ class Estimate:
                 "gpu_reserved_bytes": int(round(self.gpu_reserved)),
                 "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
                 "attention_backend": self.attention_backend,
+                "gpu_loading_bytes": int(round(self.gpu_loading)),
                 "usable_gpu_bytes": int(self.usable_gpu_bytes),
                 "margin": self.margin,
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
