@@ -49,6 +49,7 @@ UNSUPPORTED = {"T0": "encoder-decoder models (T5: T0_3B, mt0-xxl)", "mt0": "enco
 GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "80GB A100": "A100-80GB",
         "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
 # the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
+ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"
 FITTED = ("fragmentation", "allocator_cached_layers")
 FIT_GRID = {"fragmentation": [i / 100 for i in range(0, 21)], "allocator_cached_layers": [i / 4 for i in range(0, 17)]}
 
@@ -237,7 +238,8 @@ def summarize(results: list[dict]) -> dict:
             "median_signed": statistics.median(errs) if errs else None,
             "under_5": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.05],
             "under_10": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.10],
-            "verdict_wrong": [r["id"] for r in results if r["verdict_ok"] is False]}
+            "oom_called_fitting": [r["id"] for r in results if r["status"] == "oom" and r["fits"]],
+            "boundary_over_card": [r["id"] for r in results if r["status"] == "boundary" and not r["fits"]]}
 
 
 def _grid() -> list[dict]:
@@ -276,6 +278,20 @@ def leave_one_group_out(cases: list[Case]) -> dict:
     return table
 
 
+def by_kind(cases: list[Case], results: list[dict]) -> dict:
+    """Signed error range per kind of run (memfit.estimate.accuracy.run_kind), over every compared figure."""
+    from memfit.estimate.accuracy import run_kind
+
+    out: dict = {}
+    for c, r in zip(cases, results):
+        if r["error"] is None or c.status == "boundary":
+            continue
+        s = c.strategy
+        out.setdefault(run_kind(s.method, s.zero_stage, s.fsdp, s.offload, c.hardware.world_size), []).append(r["error"])
+    return {k: {"figures": len(v), "min_pct": round(100 * min(v), 1), "max_pct": round(100 * max(v), 1),
+                "median_abs_pct": round(100 * statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
+
+
 def _pct(x) -> str:
     return "   -  " if x is None else f"{100 * x:+6.1f}%"
 
@@ -286,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
+    ap.add_argument("--write-accuracy", type=Path, nargs="?", const=ACCURACY_FILE, default=None,
+                    help="write the error per kind of run for memfit's estimate output (default: %(const)s)")
     args = ap.parse_args(argv)
     if not args.file.is_file():
         print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
@@ -299,17 +317,22 @@ def main(argv=None) -> int:
     overall = summarize(results)
     overall["skipped"] = len(skipped)
     logo = {} if args.no_logo else leave_one_group_out(cases)
+    kinds = by_kind(cases, results)
+    if args.write_accuracy:
+        args.write_accuracy.write_text(json.dumps({"source": "bench/gpu_published.py", "file": args.file.name,
+                                                   "kinds": kinds}, indent=1) + "\n")
     if args.json:
         print(json.dumps({"overall": overall, "groups": per_group, "rows": results, "skipped": skipped,
-                          "leave_one_group_out": logo}, indent=1))
+                          "leave_one_group_out": logo, "kinds": kinds}, indent=1))
         return 0
     print(f"{'group':14s} {'used':>4s} {'skip':>4s} {'cmp':>4s} {'median|e|':>9s} {'max|e|':>8s} {'median':>8s}"
-          f" {'<-5%':>4s} {'verdict wrong':>13s}")
+          f" {'<-5%':>4s} {'<-10%':>5s} {'OOM fits':>8s} {'bound>card':>10s}")
     for name, s in [*per_group.items(), ("overall", overall)]:
         med = "    -  " if s["median_abs"] is None else f"{100 * s['median_abs']:6.1f}%"
         mx = "    -  " if s["max_abs"] is None else f"{100 * s['max_abs']:6.1f}%"
         print(f"{name:14s} {s['rows']:4d} {s['skipped']:4d} {s['compared']:4d} {med:>9s} {mx:>8s}"
-              f" {_pct(s['median_signed']):>8s} {len(s['under_5']):4d} {len(s['verdict_wrong']):13d}")
+              f" {_pct(s['median_signed']):>8s} {len(s['under_5']):4d} {len(s['under_10']):5d}"
+              f" {len(s['oom_called_fitting']):8d} {len(s['boundary_over_card']):10d}")
     if args.rows:
         print("\nrow (metric, status): predicted / measured GB, error")
         for r in results:
@@ -321,10 +344,11 @@ def main(argv=None) -> int:
     for r in under:
         print(f"  {r['id']}: {_pct(r['error'])} ({r['metric']}, {r['strategy']})")
     wrong = [r for r in results if r["verdict_ok"] is False]
-    print("rows with the wrong fit verdict:" + ("" if wrong else " none"))
+    print("rows with the wrong fit verdict (OOM rows called fitting; boundary rows predicted over their card):"
+          + ("" if wrong else " none"))
     for r in wrong:
-        print(f"  {r['id']}: status {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB on a "
-              f"{r['id'] and 'card'} -> fits={r['fits']}")
+        print(f"  {r['id']}: {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB with context "
+              f"-> fits={r['fits']}")
     reasons: dict[str, int] = {}
     for s in skipped:
         reasons[s["why"]] = reasons.get(s["why"], 0) + 1

@@ -208,3 +208,30 @@ def test_qlora_loading_peak_on_one_gpu():
     assert est.gpu_loading == pytest.approx(expected, rel=1e-12)
     assert est.to_dict()["memory"]["gpu_loading_bytes"] == round(expected)
     assert estimate(m, A100, Strategy(method="lora")).gpu_loading == 0
+
+
+def _cli(capsys, *argv):
+    from memfit.cli.app import main
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        code = exc.code or 0
+    return code, capsys.readouterr().out
+
+
+def test_estimate_says_what_it_is(capsys):
+    import json
+    argv = ("estimate", "--model", "mistral-7b", "--gpus", "1xA100-80GB", "--method", "qlora")
+    code, out = _cli(capsys, *argv, "--json")
+    assert code == 0
+    mem = json.loads(out)["memory"]
+    gpu = mem["gpu_bytes"]
+    assert abs(mem["gpu_allocated_bytes"] - (gpu["total"] - gpu["overhead"])) <= 1
+    assert mem["gpu_allocated_bytes"] < mem["gpu_reserved_bytes"] < gpu["total"]
+    assert mem["attention_backend"] == "flash"
+    assert mem["published_error"]["kind"] == "qlora, 1 GPU" and mem["published_error"]["figures"] >= 4
+    code, text = _cli(capsys, *argv)
+    assert code == 0
+    assert "reserved (caching allocator)" in text and "SDPA backend assumed: flash" in text
+    assert "qlora, 1 GPU: within" in text

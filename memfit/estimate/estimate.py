@@ -299,6 +299,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         # (eager's score matrices are single large blocks the allocator splits for later requests: not counted)
         working_set = ((act_layers + lora_int) / (p.checkpoint_extra_layers if gc else model.layers)
                        - A.score_bytes(model, s, b, e, attention) * p.activation_scale)
+        if model.experts:  # experts allocate their share one after another: blocks of 1/E of the routed
+            routed = model.experts_per_token * model.moe_intermediate  # set, reused expert to expert
+            working_set -= (1.0 - 1.0 / model.experts) * float(b) * s * (4.0 if fp32_stream else e) * 3 * routed
         frag = CU.reserved_gap(formula, working_set, off_opt or off_par, p)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.estimate.accuracy import published_error, run_kind
+
 GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers",
                      "step_temporaries")
 GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
@@ -83,6 +85,9 @@ class Estimate:
                 "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
                 "attention_backend": self.attention_backend,
                 "gpu_loading_bytes": int(round(self.gpu_loading)),
+                "published_error": published_error(run_kind(self.strategy.method, self.strategy.zero_stage,
+                                                            self.strategy.fsdp, self.strategy.offload,
+                                                            hw.world_size)),
                 "usable_gpu_bytes": int(self.usable_gpu_bytes),
                 "margin": self.margin,
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
