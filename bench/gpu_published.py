@@ -233,7 +233,7 @@ def load(path: Path) -> tuple[list[Case], list[dict]]:
 def summarize(results: list[dict]) -> dict:
     errs = [r["error"] for r in results if r["error"] is not None]
     absd = [abs(x) for x in errs]
-    return {"rows": len(results), "compared": len(errs),
+    return {"rows": len({r["id"].split("#")[0] for r in results}), "compared": len(errs),
             "median_abs": statistics.median(absd) if absd else None, "max_abs": max(absd) if absd else None,
             "median_signed": statistics.median(errs) if errs else None,
             "under_5": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.05],
