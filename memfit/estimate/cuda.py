@@ -4,6 +4,7 @@
 - SDPA's backend: flash where it applies, memory-efficient, else the math kernel (full score matrix).
 - The caching allocator's reserved peak: allocated + the blocks it keeps cached and cannot reuse.
 - CUDA context and NCCL communicator buffers by generation and topology.
+- The loading peak of QLoRA on one GPU.
 """
 
 from __future__ import annotations
@@ -93,3 +94,22 @@ def reserved_gap(allocated: float, layer_working_set: float, offload: bool, p: P
     cached = 0.0 if p.expandable_segments else p.allocator_cached_layers * layer_working_set
     frac = p.fragmentation + (p.fragmentation_offload if offload else 0.0)
     return cached + frac * allocated
+
+
+def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state: float, nums, half: float,
+                       p: Profile) -> float:
+    """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).
+
+    bitsandbytes quantises each 16-bit checkpoint tensor as it reaches the GPU (Params4bit.to(cuda)), so
+    loading holds the whole quantised model plus one 16-bit tensor being quantised; then
+    prepare_model_for_kbit_training upcasts the non-quantised parameters to fp32 one at a time
+    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under FSDP transformers builds
+    the model on the CPU (rank 0) / meta device and FSDP moves shards, under zero.Init DeepSpeed partitions
+    while loading: no such peak is modelled there (accelerate/utils/fsdp_utils.py:790-797 warns of a
+    "VRAM spike" when Params4bit already sit on a GPU: not the path memfit's trainer takes)."""
+    if method != "qlora" or sharded:
+        return 0.0
+    other = model.parameters - nums.linear_params
+    biggest = max(nums.largest_linear, model.embedding_parameters) * half
+    upcast = max(model.embedding_parameters, model.head_parameters) * 4.0
+    return nums.linear_params * p.nf4_bytes_per_param + quant_state + other * half + max(biggest, upcast)

@@ -37,24 +37,6 @@ def _targets(model: ModelSpec, strategy: Strategy):
     return targets
 
 
-def _loading_peak(model, method, engine, fsdp, quant_state, nums, half, p) -> float:
-    """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).
-
-    bitsandbytes quantises each 16-bit checkpoint tensor as it reaches the GPU (Params4bit.to(cuda)), so
-    loading holds the whole quantised model plus one 16-bit tensor being quantised; then
-    prepare_model_for_kbit_training upcasts the non-quantised parameters to fp32 one at a time
-    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under FSDP transformers builds
-    the model on the CPU (rank 0) / meta device and FSDP moves shards, under zero.Init DeepSpeed partitions
-    while loading: no such peak is modelled there (accelerate/utils/fsdp_utils.py:790-797 warns of a
-    "VRAM spike" when Params4bit already sit on a GPU: not the path memfit's trainer takes)."""
-    if method != "qlora" or fsdp or engine == "zero3":
-        return 0.0
-    other = model.parameters - nums.linear_params
-    biggest = max(nums.largest_linear, model.embedding_parameters) * half
-    upcast = max(model.embedding_parameters, model.head_parameters) * 4.0
-    return nums.linear_params * p.nf4_bytes_per_param + quant_state + other * half + max(biggest, upcast)
-
-
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
              margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
     """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
@@ -309,7 +291,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "gathered_params": gathered, "comm_buffers": comm, "step_temporaries": step_temp,
                  "peak_concurrency": concurrency, "overhead": overhead, "total": formula + overhead}
 
-    gpu_loading = 0.0 if gpu.is_cpu else _loading_peak(model, method, engine, fsdp, quant_state, nums, half, p)
+    gpu_loading = 0.0 if gpu.is_cpu else CU.qlora_loading_peak(model, method, engine == "zero3" or fsdp, quant_state,
+                                                                nums, half, p)
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
     meft_store = meft_host
