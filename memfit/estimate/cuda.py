@@ -103,10 +103,10 @@ def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state
     bitsandbytes quantises each 16-bit checkpoint tensor as it reaches the GPU (Params4bit.to(cuda)), so
     loading holds the whole quantised model plus one 16-bit tensor being quantised; then
     prepare_model_for_kbit_training upcasts the non-quantised parameters to fp32 one at a time
-    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under FSDP transformers builds
-    the model on the CPU (rank 0) / meta device and FSDP moves shards, under zero.Init DeepSpeed partitions
-    while loading: no such peak is modelled there (accelerate/utils/fsdp_utils.py:790-797 warns of a
-    "VRAM spike" when Params4bit already sit on a GPU: not the path memfit's trainer takes)."""
+    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under zero.Init DeepSpeed
+    partitions while loading. Under FSDP it depends on where the loading path leaves the quantised model
+    before ``fully_shard``: accelerate/utils/fsdp_utils.py:790-797 warns of a "VRAM spike" when Params4bit
+    already sit on a GPU. Not modelled there (unmeasured)."""
     if method != "qlora" or sharded:
         return 0.0
     other = model.parameters - nums.linear_params
