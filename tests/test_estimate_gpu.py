@@ -235,3 +235,10 @@ def test_estimate_says_what_it_is(capsys):
     assert code == 0
     assert "reserved (caching allocator)" in text and "SDPA backend assumed: flash" in text
     assert "qlora, 1 GPU: within" in text
+
+
+def test_profiles_saved_before_still_load(tmp_path):
+    import json
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"optimizer_step_temp_bytes_gpu": 0.0, "fragmentation": 0.05}))
+    assert Profile.load(path).fragmentation == 0.05

@@ -17,6 +17,8 @@ from typing import Any
 from memfit.errors import ConfigError
 
 GiB = float(1 << 30)
+# constants older profiles may still carry, no longer read (replaced by the named physics)
+RETIRED = frozenset({"optimizer_step_temp_bytes_gpu"})  # -> adamw_foreach_temp_copies
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Profile:
         known = set(cls.constant_names())
         values: dict[str, Any] = {}
         for key, value in raw.items():
-            if key in ("calibrated", "notes"):
+            if key in ("calibrated", "notes") or key in RETIRED:
                 continue
             if key not in known:
                 raise ConfigError(f"{source}: unknown constant {key!r}; known: {', '.join(sorted(known))}")
