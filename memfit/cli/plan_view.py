@@ -40,6 +40,8 @@ def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (dec
     t.add_row(f"[bold]total per {unit}[/bold]", f"[bold]{_gb(gpu.get('total'))}[/bold]",
               f"of {_gb(d.get('hardware', {}).get('gpu_memory_bytes'))}, usable "
               f"{_gb(mem.get('usable_gpu_bytes'))}" if mem.get("usable_gpu_bytes") else "")
+    if unit == "GPU" and "gpu_reserved_bytes" in mem:
+        _cuda_rows(t, mem)
     cpu = mem.get("cpu_bytes", {})
     if cpu:
         t.add_section()
@@ -51,6 +53,21 @@ def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (dec
                   (f"peak while {phase}; " if phase else "")
                   + f"node has {_gb(d.get('hardware', {}).get('cpu_ram_bytes'))}")
     return t
+
+
+def _cuda_rows(t: Table, mem: dict) -> None:
+    """What the CUDA allocator reports, which figure is held against the card, the attention kernel assumed
+    and the estimator's measured error on published runs of this kind."""
+    from memfit.estimate.accuracy import describe
+
+    t.add_row("  allocated (tensors)", _gb(mem.get("gpu_allocated_bytes")), "torch max_memory_allocated")
+    t.add_row("  reserved (caching allocator)", _gb(mem.get("gpu_reserved_bytes")), "torch max_memory_reserved")
+    t.add_row("  held against the card", _gb(mem.get("gpu_bytes", {}).get("total")),
+              "reserved + CUDA context + NCCL (what nvidia-smi shows)")
+    if mem.get("gpu_loading_bytes"):
+        t.add_row("  while loading", _gb(mem["gpu_loading_bytes"]), "tensors while quantising to NF4 on the GPU")
+    t.add_row("  attention kernel", "", f"SDPA backend assumed: {mem.get('attention_backend') or '-'}")
+    t.add_row("  published runs", "", describe(mem.get("published_error")))
 
 
 def _memory_table(d: dict, hardware: Any) -> Table:

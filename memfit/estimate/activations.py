@@ -32,7 +32,9 @@ from memfit.spec.model import ModelSpec
 ROLES = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "query_key_value": "attn_in",
          "o_proj": "attn_out", "dense": "attn_out",
          "gate_proj": "mlp_in", "up_proj": "mlp_in", "dense_h_to_4h": "mlp_in",
-         "down_proj": "mlp_out", "dense_4h_to_h": "mlp_out"}
+         "down_proj": "mlp_out", "dense_4h_to_h": "mlp_out", "w2": "mlp_out", "experts.down_proj": "mlp_out",
+         "shared_expert.down_proj": "mlp_out", "c_attn": "attn_in", "attn.c_proj": "attn_out", "c_fc": "mlp_in",
+         "mlp.c_proj": "mlp_out"}  # any other (gate/up, experts' w1/w3, routers) reads the MLP's norm output
 _CACHE: dict = {}
 
 
@@ -61,7 +63,7 @@ def norm_input_bytes(model: ModelSpec, r: float, trained: bool) -> float:
 
 
 def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, sv: tuple, autocast: bool,
-                          trained_norms: bool) -> tuple[float, float, float]:
+                          trained_norms: bool, e_mlp: float = 0.0) -> tuple[float, float, float]:
     """(bytes per token, of which freed before attention's backward, bytes per query-key pair and head)
     one layer saves for backward. The second figure is what the MLP side (its norm, the MLP, o_proj's
     input) saves: backward has used and freed it when it reaches the attention."""
@@ -91,14 +93,26 @@ def layer_saved_per_token(model: ModelSpec, e: float, r: float, attention: str, 
     else:
         attn_side += e * (q + 2 * kv) + e * q + 4.0 * model.heads  # q, k, v, output, fp32 log-sum-exp
     gated = model.mlp in ("swiglu", "geglu")
-    mlp_side += e * f * ((3 if gated else 1) + (1 if mlp_out else 0))
+    mlp_side += (e_mlp or e) * f * ((3 if gated else 1) + (1 if mlp_out else 0))
+    if model.experts:  # each routed copy's output, saved by its multiplication with the routing weight
+        mlp_side += (e_mlp or e) * h * model.experts_per_token + 4.0 * model.experts  # + fp32 router softmax
     if model.hidden_dropout > 0:
         mlp_side += (1 + e) * 2 * h
     return attn_side + mlp_side, mlp_side, score
 
 
+def score_bytes(model: ModelSpec, s: int, b: int, e: float, attention: str) -> float:
+    """Bytes of one layer's saved score matrices (eager: the fp32 softmax and its cast; 0 for fused kernels)."""
+    if attention != "eager":
+        return 0.0
+    score = e if model.family == "falcon" else 4.0 + (e if e != 4.0 else 0.0)
+    score += (1.0 + e) if model.attention_dropout > 0 else 0.0
+    return float(b) * model.heads * s * s * score
+
+
 def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, attention: str,
-                         mlp_side: float, adapter_grad: float = 0.0, product_saved: bool = True) -> float:
+                         mlp_side: float, adapter_grad: float = 0.0, product_saved: bool = True,
+                         e_mlp: float = 0.0) -> float:
     """What one layer's backward holds beyond its saved tensors, at its largest: the incoming residual
     gradient (r·h per token) + the larger of the MLP's gradients (gated: the product's gradient and
     those of act and up, less the product if it was saved and is freed now: 2·e·f, else 3·e·f; GeLU
@@ -107,7 +121,11 @@ def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, a
     already freed by then. ``adapter_grad``: bytes per token of the gradient of a cast adapter input
     (fp32 LoRA on a 16-bit base) that the MLP's backward adds."""
     tokens = float(b) * s
-    mlp = tokens * (e * model.intermediate * ((2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
+    width = model.intermediate
+    if model.experts:  # experts run one after another, each on its top-k / E share of the tokens (the shared
+        routed = model.experts_per_token * model.moe_intermediate  # expert on all): one's gradients at a time
+        width = max(routed / model.experts, model.intermediate - routed)
+    mlp = tokens * ((e_mlp or e) * width * ((2.0 if model.mlp in ("swiglu", "geglu") else 1.0)
                                               + (0.0 if product_saved else 1.0)) + adapter_grad)
     eager = 0.0
     if attention == "eager":
@@ -126,7 +144,8 @@ def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) ->
 def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
                      profile: Profile, method: str = "full", adapted: frozenset = frozenset(),
                      shares: bool = True, autocast: bool = False,
-                     adapter_grad: float = 0.0, adapter_mlp_side: float = 0.0) -> tuple[float, float, float, float]:
+                     adapter_grad: float = 0.0, adapter_mlp_side: float = 0.0,
+                     fp32_stream: bool = False) -> tuple[float, float, float, float]:
     """(checkpointed layer inputs, layers' saved working sets, tail, backward transients) in bytes.
 
     Without checkpointing every layer's saved tensors are live at the start of backward (layer 0 of a
@@ -135,22 +154,27 @@ def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str,
     The tail is the final norm (+ the head's input when the head is trained). The transients are one
     layer's backward working memory (+ eager attention's causal mask under checkpointing).
     ``adapter_grad``: bytes per token of a cast adapter input's gradient; ``adapter_mlp_side``: bytes per
-    token the adapters of o_proj and the MLP save (freed before attention's backward)."""
+    token the adapters of o_proj and the MLP save (freed before attention's backward). ``fp32_stream``:
+    QLoRA after ``prepare_model_for_kbit_training`` (fp32 embeddings and norms): the residual stream is
+    fp32 and so is every ``Linear4bit`` output (bitsandbytes/nn/modules.py:637 casts back to the input
+    dtype), so the MLP's saved values and gradients are fp32; the attention kernel saves the 16-bit casts
+    transformers makes of q, k, v."""
     scale = profile.activation_scale
-    r = 4.0 if (e == 4.0 or autocast) else e
+    r = 4.0 if (e == 4.0 or autocast or fp32_stream) else e
+    e_mlp = 4.0 if fp32_stream else e
     if profile.activation_korthikanti:
         return (model.layers * e * b * s * model.hidden * scale if checkpointing else 0.0,
                 (profile.checkpoint_extra_layers if checkpointing else model.layers)
                 * korthikanti_layer_bytes(model, s, b, attention) * scale, 0.0, 0.0)
     sv = savers(model, method, adapted, shares)
     trained = method == "full"
-    per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained)
+    per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained, e_mlp)
     layer = b * s * per_tok + b * model.heads * float(s) * s * score
     tail = b * s * (norm_input_bytes(model, r, trained) + (e * model.hidden if sv[4] else 0.0))
     # the product (or an adapter's own copy of it) is saved, and freed when the MLP's backward begins
     saved = sv[3] > 0 or any(ROLES.get(name) == "mlp_out" for name in adapted)
     extra = backward_extra_bytes(model, s, b, e, r, attention, mlp_side + adapter_mlp_side, adapter_grad,
-                                 product_saved=saved)
+                                 product_saved=saved, e_mlp=e_mlp)
     # the first norm's input is the layer input itself when no cast is needed (fp32 RMSNorm, LayerNorm)
     same = b * s * model.hidden * (r if model.norm != "rmsnorm" else (4.0 if r == 4.0 else 0.0))
     if checkpointing:

@@ -17,6 +17,8 @@ from typing import Any
 from memfit.errors import ConfigError
 
 GiB = float(1 << 30)
+# constants older profiles may still carry, no longer read (replaced by the named physics)
+RETIRED = frozenset({"optimizer_step_temp_bytes_gpu"})  # -> adamw_foreach_temp_copies
 
 
 @dataclass(frozen=True)
@@ -47,17 +49,24 @@ class Profile:
     logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
     logits_live_during_recompute: float = 0.0  # with checkpointing: fraction of the logits line still live while the last layer recomputes (traced: none, the loss's backward has run)
     optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
-    optimizer_step_temp_bytes_gpu: float = 0.0  # GPUs: fused AdamW (the HF Trainer's default on CUDA) updates in place
+    adamw_foreach_temp_copies: float = 1.0  # GPUs: torch AdamW's foreach step (memfit's trainer asks for "adamw_torch"; the HF Trainer's default before torch 2.8) allocates exp_avg_sq_sqrt, one state-sized tensor per param (torch/optim/adam.py:762); fused AdamW: 0
     zero_fp32_grad_bytes: float = 4.0  # DeepSpeed 16-bit training: fp32 copy of the local gradient partition for the step
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)
-    nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 (memory-model.md: 1–2 GiB incl. streams)
-    fragmentation: float = 0.08  # caching-allocator fragmentation: reserved − allocated, as a fraction of the formula lines (5–20 %)
+    cuda_context_hopper_extra_bytes: float = 0.1 * GiB  # Hopper: larger cuBLAS/cuBLASLt workspaces (32 MiB per handle and stream) and kernels (cuda-memory.md)
+    nccl_buffer_bytes: float = 0.5 * GiB  # NCCL communicator buffers when world > 1 over NVLink (many channels) (memory-model.md: 1–2 GiB incl. streams)
+    nccl_buffer_pcie_bytes: float = 0.2 * GiB  # NCCL buffers over PCIe without P2P (few channels; cuda-memory.md: small)
+    nccl_nvls_bytes: float = 1.0 * GiB  # NVLink SHARP (NVLS) buffers on Hopper NVSwitch nodes (> 2 GPUs) (cuda-memory.md: ~1 GB)
+    fragmentation: float = 0.04  # caching allocator: reserved − allocated from block splitting/rounding, as a fraction of the allocated peak (fitted on published runs: bench/gpu_published.py; leave-one-group-out 0.04–0.06)
+    allocator_cached_layers: float = 1.25  # layer working sets the caching allocator keeps cached but cannot reuse for the loss/step's larger blocks (fitted on published runs: bench/gpu_published.py; leave-one-group-out 1–1.25)
+    fragmentation_offload: float = 0.0  # + fraction of allocated with offload (side streams keep their own pools; GMLake: up to ~33 %)
+    expandable_segments: float = 0.0  # 1.0: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (freed pages remapped: no cached-layer term)
     fragmentation_cpu: float = 0.0  # CPU pseudo-device: no caching-allocator gap (glibc's RSS excess is in process_baseline_bytes)
     ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
     zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
     zero_allgather_bucket_elements: float = 2e8  # DeepSpeed allgather_bucket_size (elements) for ZeRO-1/2
+    zero_overlap_comm: float = 1.0  # DeepSpeed overlap_comm (memfit's config on CUDA): a second reduce bucket (stage_1_and_2.py:3273)
     zero3_prefetch_per_h2: float = 0.9  # stage3_prefetch_bucket_size = 0.9·h² elements (HF 'auto')
     gathered_layers: float = 2.0  # FSDP full_shard: wrapped decoder layers gathered at once (current + prefetched)
     zero3_max_live_parameters: float = 1e9  # DeepSpeed stage3_max_live_parameters (default) caps gathered elements
@@ -88,7 +97,7 @@ class Profile:
     @classmethod
     def flag_names(cls) -> list[str]:
         """0/1 switches, not quantities: a calibration should leave them alone."""
-        return ["activation_korthikanti", "qlora_fp32_upcast"]
+        return ["activation_korthikanti", "qlora_fp32_upcast", "expandable_segments", "zero_overlap_comm"]
 
     @classmethod
     def calibratable_names(cls) -> list[str]:
@@ -110,7 +119,7 @@ class Profile:
         known = set(cls.constant_names())
         values: dict[str, Any] = {}
         for key, value in raw.items():
-            if key in ("calibrated", "notes"):
+            if key in ("calibrated", "notes") or key in RETIRED:
                 continue
             if key not in known:
                 raise ConfigError(f"{source}: unknown constant {key!r}; known: {', '.join(sorted(known))}")

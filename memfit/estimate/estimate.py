@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from memfit.estimate import activations as A
+from memfit.estimate import cuda as CU
+from memfit.estimate import fsdp as F
 from memfit.estimate import memory as M
 from memfit.estimate import meft as MF
 from memfit.estimate.meft import meft_traffic_bytes
@@ -22,6 +24,7 @@ from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec, lora_target_reason
 from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
 
+STORAGE_BYTES = {"uint8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}  # bnb_4bit_quant_storage element
 _ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                 "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
 
@@ -35,9 +38,12 @@ def _targets(model: ModelSpec, strategy: Strategy):
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
-             margin: float = 0.05, activation_formula: Optional[str] = None) -> Estimate:
-    """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style)."""
+             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
+    """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
+    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed."""
     p = profile or DEFAULT_PROFILE
+    if distributed is not None and strategy.zero_stage:
+        p = M.with_buckets(p, model, distributed)
     if activation_formula == "korthikanti" and not p.activation_korthikanti:
         p = p.with_values(activation_korthikanti=1.0)
     elif activation_formula not in (None, "derived", "korthikanti"):
@@ -67,6 +73,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is trained, what is frozen, and at what storage --------------------------------------
     targets = ()
     adapter_params = 0.0
+    quant_state = 0.0  # NF4 absmax (+ nested quant): module attributes that FSDP/ZeRO neither shard nor offload
+    fp32_stream = False  # QLoRA after prepare_model_for_kbit_training: fp32 embeddings, norms and head
     if method == "full":
         p_t, frozen_bytes = P, 0.0
     elif method in ("lora", "qlora"):
@@ -81,7 +89,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             # their uniform-dtype flattening: fsdp-qlora.md), where it stays in the 16-bit storage dtype
             upcast = p.qlora_fp32_upcast and not (st.fsdp or st.zero_stage == 3)
             other_b = 4.0 if (upcast or prec == "fp32") else 2.0
+            fp32_stream = bool(upcast) and prec != "fp32"
             frozen_bytes = nums.linear_params * (p.nf4_bytes_per_param + absmax) + nums.other_params * other_b
+            quant_state = nums.linear_params * absmax
+            if st.fsdp and st.quant_storage == "uint8":  # accelerate leaves non-float Params4bit out of FSDP2
+                quant_state += nums.linear_params * p.nf4_bytes_per_param  # (fsdp_utils.py:800-811): replicated
         else:
             frozen_bytes = P * half
     else:  # meft: adapter on CPU, router (h × experts per layer) trained on the GPU
@@ -99,15 +111,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     weights_all = frozen_bytes + p_t * w_b  # one full copy of the model's weights as stored
     compute_all = frozen_bytes + p_t * (copy_b or w_b)  # one full copy in the dtype the matmuls use
-    weights = weights_all / n if (sharded_w or family == "fsdp") else weights_all
+    sharded_all = sharded_w or family == "fsdp"
+    weights = (weights_all - quant_state) / n + quant_state if sharded_all else weights_all
     autocast_copy = 0.0
     if family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
         autocast_copy = p_t * copy_b  # backward; gone once backward has used them
         weights += autocast_copy
     elif engine == "sgo":
         weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
-    if method == "qlora":
-        weights += nums.largest_linear * 2.0  # one linear dequantised to 16-bit at a time
     grads = p_t * g_b / (n if shard_g else 1)
     optim = p_t * o_b / (n if shard_o else 1)
     cpu_opt = cpu_grads = cpu_params = 0.0
@@ -115,13 +126,16 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         cpu_opt, optim = optim, 0.0
         cpu_grads = p_t * 4.0 / n  # fp32 gradient partition where the CPU optimizer reads it
         grads = 0.0
-    if off_par:
-        cpu_params = weights_all / n
-        weights = 0.0
+    if off_par:  # the quantisation state stays on the GPU (a buffer, not a flat parameter)
+        cpu_params = (weights_all - quant_state) / n
+        weights = quant_state
+    if method == "qlora":  # one Linear4bit dequantised to 16-bit at a time, whatever the offload
+        weights += nums.largest_linear * 2.0
 
     # ---- activations, logits, adapters -------------------------------------------------------------
     gc = st.gradient_checkpointing
-    attention = st.attention
+    backend = CU.sdpa_backend(gpu, model, prec, st.attention)  # the kernel SDPA dispatches to on this GPU
+    attention = CU.attention_for_memory(backend, st.attention)
     # fp32 adapters on a 16-bit base: PEFT casts lora_A's input to fp32; lora_A saves that copy in pure
     # bf16, or autocast's 16-bit copy of it under mixed precision (traced). In fp32, and where the engine
     # holds the adapters in 16-bit (DeepSpeed, FSDP), lora_A reads the base linear's input.
@@ -139,16 +153,18 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     widest = max((lin.in_features for lin in model.linears if lin.name in adapted), default=0)
     copy_b = ((cast_copy or e) + mask_b) if st.lora_dropout > 0 else cast_copy
     rank_b = 4.0 if cast_copy == 4.0 else e
-    after_attn = sum(copy_b * lin.in_features + rank_b * st.lora_r for lin in model.linears
+    after_attn = sum((copy_b * lin.in_features + rank_b * st.lora_r) * lin.count * lin.active for lin in model.linears
                      if lin.name in adapted and A.ROLES.get(lin.name) != "attn_in")
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, method=method, adapted=adapted,
         shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
-        adapter_mlp_side=after_attn)
+        adapter_mlp_side=after_attn, fp32_stream=fp32_stream)
     # at the end of the forward the model still holds the final norm's output, and its KV cache (use_cache:
     # what the trainer leaves on unless checkpointing turns it off): under autocast RoPE promotes k to
     # fp32 while SDPA saves its own 16-bit copy, elsewhere the cache shares what attention saves
-    r_b = 4.0 if (e == 4.0 or autocast) else e
+    r_b = 4.0 if (e == 4.0 or autocast or fp32_stream) else e
+    if fp32_stream:  # the fp32 head under autocast: its 16-bit weight copy is saved for the input's gradient
+        act_tail += (model.head_parameters or model.embedding_parameters) * half * p.activation_scale
     act_fwd = float(b) * s * (r_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
@@ -169,27 +185,36 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     h2 = float(model.hidden) ** 2
     gathered = comm = step_temp = 0.0
     layer_bufs = 0.0  # part of gathered/comm that exists only while decoder layers run (FSDP)
+    tail_bufs = 0.0  # part of gathered that exists only from the forward's end to the head's backward (FSDP)
     g_comm = g_b if family == "ddp" else min(g_b, half)  # FSDP reduces in the compute dtype
     if engine == "zero3":
-        if fsdp:  # FSDP gathers whole wrapped decoder layers; the root unit (embeddings, head) stays gathered
-            live = p.gathered_layers * nums.layer_params + (P - model.layers * nums.layer_params)
-            comm = min(nums.layer_params, p_t) * g_comm  # one layer's unsharded grads before reduce-scatter
-            gathered = min(live, P) * compute_all / P
-            # the layers are resharded after their forward and backward: at the loss and in the step only
-            # the root unit is gathered (measured on 2 gloo ranks: FSDP2 at the loss)
-            layer_bufs = min(p.gathered_layers * nums.layer_params, P) * compute_all / P + comm
+        if fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
+            layer_b, tail_b, layer_t = F.fsdp_units(model, method, frozen_bytes - quant_state, p_t, half, half)
+            comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one layer's unsharded grads + reduce-scatter output
+            gathered = p.gathered_layers * layer_b + tail_b
+            if off_par:  # CPUOffloadPolicy: each gathered layer's shard is first copied to the GPU
+                gathered += p.gathered_layers * layer_b / n  # (_fully_shard/_fsdp_param.py:897-899)
+            # the layers are resharded after their forward and backward (current + prefetched gathered while
+            # layers run); the tail unit (final norm, head) stays gathered from the forward's end until its
+            # backward (accelerate fsdp_utils.py:871-880, reshard_after_forward=False); in the step nothing is
+            layer_bufs = gathered - tail_b + comm
+            tail_bufs = tail_b
         else:  # DeepSpeed gathers module by module (current + prefetch bucket) and does not release what is
             # reused within stage3_max_reuse_distance: at the forward/backward turn that much stays gathered
             live = min(max(nums.largest_linear + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
                            p.zero3_max_reuse_distance),
                        max(p.zero3_max_live_parameters, nums.largest_linear))
-            comm = min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
-            gathered = min(live, P) * weights_all / P
+            comm = p.zero_reduce_bucket_per_h2 * h2 * g_b  # one reduce bucket, allocated whole (stage3.py:782)
+            # the limits count elements of the stored tensors: NF4 packs 2 values per uint8, 4 per bf16
+            per_elem = STORAGE_BYTES[st.quant_storage] / p.nf4_bytes_per_param if method == "qlora" else 1.0
+            gathered = min(live * per_elem, P) * (weights_all - quant_state) / P
     elif engine == "sgo":
         comm = min(nums.layer_params, p_t) * g_comm
         layer_bufs = comm  # a layer's unsharded gradients: only in backward
     elif engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C below)
-        comm = 2.0 * min(p.zero_reduce_bucket_per_h2 * h2, p_t) * g_b
+        # the reduce bucket, allocated whole, doubled with overlap_comm (stage_1_and_2.py:3266-3277)
+        # (memfit's DeepSpeed config turns overlap_comm on on CUDA only: memfit/distributed/config.py)
+        comm = (1.0 + (0.0 if gpu.is_cpu else p.zero_overlap_comm)) * p.zero_reduce_bucket_per_h2 * h2 * g_b
         step_temp = min(p.zero_allgather_bucket_elements, p_t) * w_b
     elif n > 1:
         comm = p_t * g_b * p.ddp_bucket_copy
@@ -201,7 +226,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # Phases: A = start of backward (all saved activations + logits); with checkpointing B1 = last layer
     # recomputing (inputs + its working set + logits' grads); B2 = backward at the first layer (its
     # working set + nearly all gradients); C = the optimizer step (grads + step temporaries).
-    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs
+    static = weights - autocast_copy + optim + (meft_buf - meft_acts) + gathered + comm - layer_bufs - tail_bufs
     adapter_acts = lora_int + meft_acts
     # with accumulation, earlier micro-batches' gradients stay live; DeepSpeed ZeRO-3 allocates its flat
     # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
@@ -213,11 +238,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     mask = min(mask, act_bwd)
     saved = act_in + act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
     # candidate peaks as (bytes, the activation working memory beyond the saved tensors they hold)
-    phases = [(g_keep + autocast_copy + saved + logits, mask)]  # A: start of backward
+    phases = [(g_keep + autocast_copy + saved + logits + tail_bufs, mask)]  # A: start of backward
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
     fwd_logits = logits * ((e if e != 4.0 else 0.0) + 8.0) / 12.0
-    phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits), mask + act_fwd))
+    phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits) + tail_bufs, mask + act_fwd))
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters
     last = (nums.layer_params + model.head_parameters) / P if method == "full" else 1.0 / model.layers
@@ -235,25 +260,39 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
     local_opt = 0.0 if off_opt else p_t / (n if shard_o else 1)
     # live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads
-    step_temp += local_opt * (p.optimizer_step_temp_bytes if gpu.is_cpu else p.optimizer_step_temp_bytes_gpu)
+    if gpu.is_cpu:
+        step_temp += local_opt * p.optimizer_step_temp_bytes
+    elif st.optimizer == "adamw" and family != "deepspeed":  # DeepSpeed steps with its own fused Adam
+        step_temp += local_opt * p.adamw_foreach_temp_copies * o_b / 2.0  # one state-sized sqrt(v) per param
     if family == "deepspeed" and prec != "fp32" and not off_opt:
         step_temp += local_opt * p.zero_fp32_grad_bytes
     phases.append((grads + step_temp, 0.0))  # C: the optimizer step
     phase, held = max(phases)
     # the activations line: the saved tensors + the working memory the peak phase holds beyond them
     acts = act_in + act_layers + act_tail + held
-    lines_sum = static + layer_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
+    lines_sum = static + layer_bufs + tail_bufs + autocast_copy + grads + acts + logits + adapter_acts + step_temp
     concurrency = static + phase - lines_sum
     formula = static + phase
-    cuda_ctx = 0.0 if gpu.is_cpu else p.cuda_context_bytes
-    nccl = p.nccl_buffer_bytes if (n > 1 and not gpu.is_cpu) else 0.0
-    frag = formula * (p.fragmentation_cpu if gpu.is_cpu else p.fragmentation)
+    cuda_ctx = CU.context_bytes(gpu, p)
+    nccl = CU.nccl_bytes(hardware, p)
+    if gpu.is_cpu:
+        frag = formula * p.fragmentation_cpu
+    else:  # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
+        # (eager's score matrices are single large blocks the allocator splits for later requests: not counted)
+        working_set = ((act_layers + lora_int) / (p.checkpoint_extra_layers if gc else model.layers)
+                       - A.score_bytes(model, s, b, e, attention) * p.activation_scale)
+        if model.experts:  # experts allocate their share one after another: blocks of 1/E of the routed
+            routed = model.experts_per_token * model.moe_intermediate  # set, reused expert to expert
+            working_set -= (1.0 - 1.0 / model.experts) * float(b) * s * (4.0 if fp32_stream else e) * 3 * routed
+        frag = CU.reserved_gap(formula, working_set, off_opt or off_par, p)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,
                  "gathered_params": gathered, "comm_buffers": comm, "step_temporaries": step_temp,
                  "peak_concurrency": concurrency, "overhead": overhead, "total": formula + overhead}
 
+    gpu_loading = 0.0 if gpu.is_cpu else CU.qlora_loading_peak(model, method, engine == "zero3" or fsdp, quant_state,
+                                                                nums, half, p)
     # ---- CPU RAM per node ------------------------------------------------------------------------
     procs = per_node
     meft_store = meft_host
@@ -340,6 +379,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         if gpu_total > usable:
             reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
                            f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
+        elif gpu_loading + cuda_ctx > usable:
+            reasons.append(f"GPU memory while loading: quantising to NF4 holds {(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
+                           f"per GPU before training starts, "
+                           f"usable {usable / 1e9:.2f} GB; over by {(gpu_loading + cuda_ctx - usable) / 1e9:.2f} GB")
         if cpu_total > hardware.cpu_ram_bytes:
             reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
                            f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
@@ -348,4 +391,5 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
                     cpu=cpu_lines, cpu_phase="loading" if loading > steady else "training", time=time,
                     traffic=traffic, fits=not reasons, reasons=reasons, trainable_parameters=trainable_total,
-                    floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable)
+                    floor_memory=floor_mem, floor_seconds=floor_s, margin=margin, usable_gpu_bytes=usable,
+                    attention_backend=backend, gpu_loading=gpu_loading)

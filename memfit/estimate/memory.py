@@ -62,8 +62,9 @@ class ModelNumbers:
         """(adapted linears per layer, sum of their in_features, their names) for ``targets`` (cached)."""
         hit = self._lora.get(targets)
         if hit is None:
-            lins = self.model.lora_linears(targets)
-            hit = (len(lins), sum(lin.in_features for lin in lins), frozenset(lin.name for lin in lins))
+            lins = self.model.lora_linears(targets)  # per token: an expert's adapter sees top-k / E of them
+            hit = (sum(lin.count * lin.active for lin in lins),
+                   sum(lin.count * lin.active * lin.in_features for lin in lins), frozenset(lin.name for lin in lins))
             self._lora[targets] = hit
         return hit
 
@@ -116,3 +117,17 @@ def meft_rows(model: ModelSpec, neurons: int, top_k: int, b: int, s: int, profil
 
 def meft_experts(neurons: int, experts) -> int:
     return int(math.ceil(math.sqrt(neurons))) if experts == "auto" else int(experts)
+
+
+def with_buckets(profile: Profile, model: ModelSpec, distributed) -> Profile:
+    """The Profile with a run's DeepSpeed bucket settings (memfit.distributed.config writes them into the
+    DeepSpeed JSON: reduce_bucket_size, allgather_bucket_size, stage3_prefetch_bucket_size = 0.9 x reduce)."""
+    h2 = float(model.hidden) ** 2
+    values = {}
+    rb = getattr(distributed, "reduce_bucket_size", None)
+    if rb:
+        values.update(zero_reduce_bucket_per_h2=rb / h2, zero3_prefetch_per_h2=0.9 * rb / h2)
+    ag = getattr(distributed, "allgather_bucket_size", None)
+    if ag:
+        values["zero_allgather_bucket_elements"] = float(ag)
+    return profile.with_values(**values) if values else profile

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.estimate.accuracy import published_error, run_kind
+
 GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers",
                      "step_temporaries")
 GPU_ENGINE_LINES = ("gathered_params", "comm_buffers")
@@ -18,15 +20,29 @@ class Estimate:
 
     __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
                  "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
-                 "margin", "usable_gpu_bytes")
+                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading")
 
     def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
-                 reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes) -> None:
+                 reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes,
+                 attention_backend: str = "", gpu_loading: float = 0.0) -> None:
         self.model, self.hardware, self.strategy = model, hardware, strategy
         self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
         self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
         self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
+        self.attention_backend = attention_backend
+        self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training
+
+    @property
+    def gpu_allocated(self) -> float:
+        """Peak bytes in tensors (``torch.cuda.max_memory_allocated``)."""
+        return self.gpu["total"] - self.gpu["overhead"]
+
+    @property
+    def gpu_reserved(self) -> float:
+        """Peak bytes the caching allocator holds (``torch.cuda.max_memory_reserved``); ``nvidia-smi`` shows
+        this + CUDA context + NCCL buffers (= ``gpu_total``, what is held against the card)."""
+        return self.gpu_allocated + self.gpu_overhead["allocator_fragmentation"]
 
     @property
     def gpu_total(self) -> float:
@@ -64,7 +80,14 @@ class Estimate:
                 "gpu_line_kinds": {**{k: "formula" for k in GPU_FORMULA_LINES},
                                    **{k: "engine" for k in GPU_ENGINE_LINES}, "peak_concurrency": "formula",
                                    "overhead": "overhead"},
-                "gpu_allocated_bytes": int(round(self.gpu["total"] - self.gpu["overhead"])),
+                "gpu_allocated_bytes": int(round(self.gpu_allocated)),
+                "gpu_reserved_bytes": int(round(self.gpu_reserved)),
+                "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
+                "attention_backend": self.attention_backend,
+                "gpu_loading_bytes": int(round(self.gpu_loading)),
+                "published_error": published_error(run_kind(self.strategy.method, self.strategy.zero_stage,
+                                                            self.strategy.fsdp, self.strategy.offload,
+                                                            hw.world_size)),
                 "usable_gpu_bytes": int(self.usable_gpu_bytes),
                 "margin": self.margin,
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},

@@ -242,7 +242,7 @@ def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
     except ImportError:
         return None
     model = resolve_model(run.model)
-    return estimate(model, hardware_for(run), run.strategy, profile=profile).to_dict()
+    return estimate(model, hardware_for(run), run.strategy, profile=profile, distributed=run.distributed).to_dict()
 
 
 def hardware_for(run: Any) -> Any:

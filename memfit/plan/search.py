@@ -116,7 +116,8 @@ def rule_key(s: Strategy) -> tuple:
 
 
 def _rank_key(est: Any) -> tuple:
-    return (est.step_seconds, est.gpu_total, est.cpu_total)
+    """Fastest first; at equal speed the one holding less memory per node (its GPUs + its CPU RAM)."""
+    return (est.step_seconds, est.gpu_total * est.hardware.gpus_per_node + est.cpu_total, est.gpu_total)
 
 
 def plan(

@@ -4,10 +4,13 @@ Plain Python (no torch, no transformers): a preset name, a model folder or a ``c
 becomes a frozen :class:`ModelSpec` with an exact parameter count and the list of per-layer linear
 modules (the names PEFT's ``target_modules`` match), so LoRA trainable counts are exact too.
 
-Supported ``model_type`` values: llama, mistral, qwen2, qwen3, gemma, gemma2 (Llama-style blocks:
+Supported ``model_type`` values: llama, mistral, qwen2, qwen3, gemma, gemma2, granite (Llama-style blocks:
 RMSNorm, RoPE, gated MLP, grouped-query attention; qwen3 adds per-head q/k norms, gemma2 four norms per
-layer), falcon (fused QKV, GeLU MLP, LayerNorm, multi-query / grouped KV heads,
-parallel attention) and gpt_neox (fused QKV with biases, GeLU MLP, LayerNorm).
+layer; granite's multipliers are scalars), mixtral and qwen2_moe (Llama-style attention, a routed
+mixture of gated experts: every expert's weights are held, each token passes through top-k of them;
+qwen2_moe adds a gated shared expert), falcon (fused QKV, GeLU MLP, LayerNorm, multi-query / grouped KV
+heads, parallel attention), gpt_neox (fused QKV with biases, GeLU MLP, LayerNorm) and gpt_bigcode
+(multi-query fused QKV, learned positions, GeLU MLP, LayerNorm, biases).
 """
 
 from __future__ import annotations
@@ -21,23 +24,32 @@ from typing import Any, Iterable, Optional
 from memfit.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
-LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite")
+MOE_TYPES = ("mixtral", "qwen2_moe")
 FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
-SUPPORTED_TYPES = (*LLAMA_STYLE, "falcon", "gpt_neox")
+SUPPORTED_TYPES = (*LLAMA_STYLE, *MOE_TYPES, "falcon", "gpt_neox", "gpt_bigcode")
 
 
 @dataclass(frozen=True)
 class Linear:
-    """One linear module of a decoder layer: PEFT matches ``name`` against ``target_modules``."""
+    """One linear module of a decoder layer: PEFT matches ``name`` (its last dotted part) against
+    ``target_modules``. ``count`` copies of it per layer (a mixture's experts), each reached by the fraction
+    ``active`` of the tokens (top-k / experts; 1 for a dense linear)."""
 
     name: str
     in_features: int
     out_features: int
     bias: bool = False
+    count: int = 1
+    active: float = 1.0
 
     @property
     def parameters(self) -> int:
-        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+        return self.count * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
+
+    @property
+    def short(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,10 @@ class ModelSpec:
     parallel_attn: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    experts: int = 0  # routed experts per layer (0: a dense MLP); ``intermediate`` is then the MLP width a
+    experts_per_token: int = 0  # token passes through: top-k x expert width (+ the shared expert's)
+    moe_intermediate: int = 0  # one routed expert's width
+    position_embeddings: int = 0  # learned absolute positions (gpt_bigcode's wpe): parameters
     source: str = ""
     # derived (filled in __post_init__)
     parameters: int = field(default=0, compare=False)
@@ -82,7 +98,8 @@ class ModelSpec:
         if self.qk_norm:
             layer += 2 * self.head_dim
         embed = self.vocab * self.hidden
-        total = self.layers * layer + embed + norm_params + (0 if self.tie_embeddings else embed)
+        total = (self.layers * layer + embed + norm_params + (0 if self.tie_embeddings else embed)
+                 + self.position_embeddings)
         object.__setattr__(self, "layer_parameters", layer)
         object.__setattr__(self, "embedding_parameters", embed)
         object.__setattr__(self, "parameters", total)
@@ -114,7 +131,7 @@ class ModelSpec:
         return self.parameters - (0 if self.tie_embeddings else self.embedding_parameters)
 
     def linear_names(self) -> list[str]:
-        return [lin.name for lin in self.linears]
+        return list(dict.fromkeys(lin.short for lin in self.linears))
 
     def lora_linears(self, targets: Iterable[str] | str) -> list[Linear]:
         """The per-layer linears PEFT would adapt for ``target_modules=targets``.
@@ -128,14 +145,15 @@ class ModelSpec:
         if targets == ("all-linear",):
             return list(self.linears)
         wanted = {t.rsplit(".", 1)[-1] for t in targets}
-        return [lin for lin in self.linears if lin.name in wanted]
+        return [lin for lin in self.linears if lin.short in wanted]
 
     def lora_parameters(self, targets: Iterable[str] | str, r: int) -> int:
         """Exact LoRA trainable parameters: r × (in + out) per adapted linear, over all layers."""
         key = (tuple(targets) if not isinstance(targets, str) else (targets,), r)
         hit = self._lora_cache.get(key)
         if hit is None:
-            hit = self.layers * sum(r * (lin.in_features + lin.out_features) for lin in self.lora_linears(key[0]))
+            hit = self.layers * sum(lin.count * r * (lin.in_features + lin.out_features)
+                                    for lin in self.lora_linears(key[0]))
             self._lora_cache[key] = hit
         return hit
 
@@ -146,6 +164,7 @@ class ModelSpec:
             "head_dim": self.head_dim, "intermediate": self.intermediate, "vocab": self.vocab,
             "mlp": self.mlp, "norm": self.norm, "tie_embeddings": self.tie_embeddings,
             "max_positions": self.max_positions,
+            **({"experts": self.experts, "experts_per_token": self.experts_per_token} if self.experts else {}),
         }
 
 
@@ -190,6 +209,65 @@ def _llama_style(cfg: dict, name: str, where: str) -> ModelSpec:
         biases=tuple(lin.name for lin in linears if lin.bias),
         max_positions=int(cfg.get("max_position_embeddings") or 2048), linears=linears,
         norms_per_layer=4 if mt == "gemma2" else 2, qk_norm=mt == "qwen3", attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
+    )
+
+
+def _moe(cfg: dict, name: str, where: str) -> ModelSpec:
+    """Mixtral (block_sparse_moe: router ``gate``, experts w1/w3 (in) and w2 (out)) and Qwen2-MoE (router
+    ``gate``, experts gate/up/down_proj of moe_intermediate_size, a shared expert of
+    shared_expert_intermediate_size and its 1-wide ``shared_expert_gate``): PEFT's names at transformers 4.x."""
+    dense = _llama_style({**cfg, "model_type": "llama", "intermediate_size": 1}, name, where)
+    h = dense.hidden
+    e = _need(cfg, "num_local_experts", where, "num_experts")
+    k = _need(cfg, "num_experts_per_tok", where)
+    attn = dense.linears[:4]
+    if cfg["model_type"] == "mixtral":
+        f = _need(cfg, "intermediate_size", where)
+        mlp = (Linear("gate", h, e), Linear("w1", h, f, count=e, active=k / e),
+               Linear("w3", h, f, count=e, active=k / e), Linear("w2", f, h, count=e, active=k / e))
+        width = k * f
+    else:
+        f = _need(cfg, "moe_intermediate_size", where)
+        fs = int(cfg.get("shared_expert_intermediate_size") or 0)
+        mlp = (Linear("gate", h, e), Linear("experts.gate_proj", h, f, count=e, active=k / e),
+               Linear("experts.up_proj", h, f, count=e, active=k / e),
+               Linear("experts.down_proj", f, h, count=e, active=k / e))
+        if fs:
+            mlp += (Linear("shared_expert.gate_proj", h, fs), Linear("shared_expert.up_proj", h, fs),
+                    Linear("shared_expert.down_proj", fs, h), Linear("shared_expert_gate", h, 1))
+        width = k * f + fs
+    attn_bias = cfg["model_type"] == "qwen2_moe" or bool(cfg.get("attention_bias", False))
+    if attn_bias:
+        attn = tuple(Linear(lin.name, lin.in_features, lin.out_features, lin.name != "o_proj") for lin in attn)
+    linears = attn + mlp
+    return ModelSpec(
+        name=name, family=cfg["model_type"], hidden=h, layers=dense.layers, heads=dense.heads,
+        kv_heads=dense.kv_heads, head_dim=dense.head_dim, intermediate=width, vocab=dense.vocab, mlp="swiglu",
+        norm="rmsnorm", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        biases=tuple(lin.name for lin in linears if lin.bias), max_positions=dense.max_positions,
+        linears=linears, attention_dropout=dense.attention_dropout, experts=e, experts_per_token=k,
+        moe_intermediate=f, source=where,
+    )
+
+
+def _gpt_bigcode(cfg: dict, name: str, where: str) -> ModelSpec:
+    """GPT-BigCode (SantaCoder, StarCoder): c_attn (q + one shared k, v head under multi_query), c_proj,
+    c_fc, c_proj, all with biases; LayerNorm; learned positions (wpe); head tied to wte."""
+    h = _need(cfg, "n_embd", where, "hidden_size")
+    heads = _need(cfg, "n_head", where, "num_attention_heads")
+    kv = 1 if cfg.get("multi_query", True) else heads
+    f = cfg.get("n_inner") or 4 * h
+    head_dim = h // heads
+    positions = _need(cfg, "n_positions", where, "max_position_embeddings")
+    linears = (Linear("c_attn", h, h + 2 * kv * head_dim, True), Linear("attn.c_proj", h, h, True),
+               Linear("c_fc", h, f, True), Linear("mlp.c_proj", f, h, True))
+    return ModelSpec(
+        name=name, family="gpt_bigcode", hidden=h, layers=_need(cfg, "n_layer", where, "num_hidden_layers"),
+        heads=heads, kv_heads=kv, head_dim=head_dim, intermediate=f, vocab=_need(cfg, "vocab_size", where),
+        mlp="gelu", norm="layernorm", tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        biases=tuple(lin.name for lin in linears), max_positions=positions, linears=linears,
+        attention_dropout=float(cfg.get("attn_pdrop") or 0.0), hidden_dropout=float(cfg.get("resid_pdrop") or 0.0),
+        position_embeddings=positions * h, source=where,
     )
 
 
@@ -261,6 +339,10 @@ def model_from_config(cfg: dict, name: str = "model", where: str = "config.json"
         return _falcon(cfg, name, where)
     if mt == "gpt_neox":
         return _gpt_neox(cfg, name, where)
+    if mt in MOE_TYPES:
+        return _moe(cfg, name, where)
+    if mt == "gpt_bigcode":
+        return _gpt_bigcode(cfg, name, where)
     raise ConfigError(
         f"{where}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
         "(decoder configs with those block structures)"

@@ -1,0 +1,373 @@
+"""memfit's estimate held against published GPU fine-tuning runs (../shared/reference/gpu-runs/public.jsonl).
+
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py            # table per group + overall
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --rows     # + every row
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --json     # machine-readable
+
+Every row memfit can express becomes (ModelSpec from a preset, HardwareSpec, Strategy) and is predicted;
+the prediction is compared on the metric the row published: ``torch.cuda.max_memory_allocated`` with
+the estimate's allocated peak, ``max_memory_reserved`` with its reserved peak, ``nvidia-smi`` (or an
+unnamed system figure) with reserved + CUDA context + NCCL. Rows that ran out of memory must be
+predicted not to fit (GPU memory over the card, margin 0). ``capacity_boundary`` rows (the longest
+sequence that trained on a card of that size) are compared with the card's size. Rows memfit cannot
+express are listed with the missing feature. Signed error = (predicted − measured) / measured: negative
+means memfit under-predicts (the costly mistake). The leave-one-group-out figures refit the estimator's
+fitted global constants (``FITTED``) on all groups but one and report the error on the one left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.spec.hardware import GiB, HardwareSpec, find_gpu  # noqa: E402
+from memfit.spec.model import resolve_model  # noqa: E402
+from memfit.spec.strategy import Strategy  # noqa: E402
+
+_REL = Path("reference") / "gpu-runs" / "public.jsonl"
+# ../shared beside the repository (the lead's checkout), shared/ inside it, or the project's shared folder
+DEFAULT_FILE = next((p for p in (HERE.parent.parent / "shared" / _REL, HERE.parent / "shared" / _REL,
+                                 Path("/work/shared") / _REL) if p.is_file()), HERE.parent.parent / "shared" / _REL)
+MODELS = {  # published model id -> memfit preset (same architecture numbers)
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b", "mistralai/Mistral-7B-v0.1": "mistral-7b",
+    "NousResearch/Llama-2-70b-hf": "llama-2-70b", "meta-llama/Llama-2-70b-hf": "llama-2-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "meta-llama/Llama-3.3-70B-Instruct": "llama-3.1-70b",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b", "bigcode/gpt_bigcode-santacoder": "santacoder",
+    "tiiuae/falcon-7b": "falcon-7b", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+}
+UNSUPPORTED = {"T0": "encoder-decoder models (T5: T0_3B, mt0-xxl)", "mt0": "encoder-decoder models (T5: T0_3B, mt0-xxl)",
+               "bloomz": "BLOOM (ALiBi attention) configs", "glm": "GLM-4 (remote-code chatglm) configs"}
+GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "80GB A100": "A100-80GB",
+        "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
+# the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
+ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"
+FITTED = ("fragmentation", "allocator_cached_layers")
+FIT_GRID = {"fragmentation": [i / 100 for i in range(0, 21)], "allocator_cached_layers": [i / 4 for i in range(0, 17)]}
+
+
+class Skip(Exception):
+    """A row memfit cannot express; the message names the missing feature."""
+
+
+@dataclass
+class Case:
+    id: str
+    group: str
+    model: str
+    hardware: HardwareSpec
+    strategy: Strategy
+    metric: str  # allocated | reserved | nvidia-smi | capacity
+    measured: float  # bytes (None for OOM rows)
+    status: str  # success | oom | boundary
+    reliability: str
+
+
+def _bytes(mem: dict) -> float:
+    unit = (mem.get("unit") or "").lower()
+    value = float(mem["value"])
+    return value * {"bytes": 1, "b": 1, "mib": 2**20, "gib": GiB, "gb": 1e9}[unit]
+
+
+def _metric(cls: str) -> str:
+    cls = cls.lower()
+    if "allocated" in cls:
+        return "allocated"
+    if "reserved" in cls:
+        return "reserved"
+    if "capacity" in cls:
+        return "capacity"
+    return "nvidia-smi"  # nvidia-smi, 'unspecified (likely nvidia-smi)', 'system metric': what the card shows
+
+
+def _hardware(row: dict, mem_cap: float | None) -> HardwareSpec:
+    text = row["gpu"]["model"] or ""
+    name = next((v for k, v in GPUS.items() if k in text), None)
+    if mem_cap is not None:  # a card of the row's stated size (how its limit was set is not said)
+        gpu = replace(find_gpu(name or "H100-80GB"), name=f"{mem_cap / GiB:g}GiB-card", memory_bytes=int(mem_cap))
+    elif name is None:
+        raise Skip(f"GPU {text!r} not named")
+    else:
+        gpu = find_gpu(name)
+    return HardwareSpec(gpu=gpu, gpus_per_node=int(row["gpu"]["count"] or 1), cpu_ram_bytes=2048 * GiB)
+
+
+def _method(row: dict) -> tuple[str, dict]:
+    method = row["method"]
+    pc, lora = row.get("peft_config") or {}, row.get("lora") or {}
+    if method.startswith("full"):
+        return "full", {}
+    if method in ("lora", "qlora") and not pc.get("use_dora") and "LoRA-FA" not in method:
+        r = pc.get("r") or lora.get("r")
+        targets = pc.get("target_modules") if pc else lora.get("targets")
+        targets = targets or ["q_proj", "v_proj"]  # PEFT's Llama default
+        if isinstance(targets, str):
+            targets = [targets]
+        targets = [t if t.endswith("_proj") or t == "all-linear" or "_" in t else f"{t}_proj" for t in targets]
+        dropout = pc.get("lora_dropout", lora.get("dropout", 0.05)) or 0.0
+        return method, {"lora_r": int(r or 8), "lora_targets": tuple(targets), "lora_dropout": float(dropout)}
+    missing = "DoRA" if pc.get("use_dora") else "the LoRA-FA optimizer" if "LoRA-FA" in method else \
+        f"PEFT method {pc.get('peft_type') or method}"
+    raise Skip(f"{missing} is not a memfit method (full, lora, qlora, meft)")
+
+
+def _engine(row: dict) -> dict:
+    eng = (row.get("engine") or "").lower()
+    if eng.startswith("single gpu") and "deepspeed" not in eng:
+        return {}
+    if "grpo" in (row.get("method") or "").lower():
+        raise Skip("GRPO: a generation engine (vLLM) shares the GPU with training")
+    if "zero-3" in eng or "zero3" in eng:
+        out = {"zero_stage": 3}
+        if "param+optimizer" in eng or "optimizer and param" in eng:
+            out["offload"] = "optimizer+params"
+        return out
+    if "zero-2" in eng:
+        return {"zero_stage": 2, **({"offload": "optimizer"} if "offload_optimizer=true" in eng else {})}
+    if "fsdp" in eng:
+        raise Skip("FSDP settings not published")
+    if int(row["gpu"]["count"] or 1) > 1:
+        raise Skip(f"multi-GPU engine {row['engine']!r} not recognised")
+    return {}
+
+
+def _precision(row: dict, method: str) -> str:
+    text = (row.get("precision") or "").lower()
+    if "pure" in text:
+        return "bf16"  # weights, grads and optimizer states in bf16 (PEFT's adapters in fp32)
+    if method == "full" and "torch_dtype bf16" in text and "autocast" in text:
+        return "bf16"  # bf16 weights: autocast changes nothing, AdamW states in bf16
+    return "bf16-mixed"
+
+
+def convert(row: dict) -> Case:
+    group = row["source_group"]
+    model_id = row["model"]
+    if model_id not in MODELS:
+        raise Skip(UNSUPPORTED.get(model_id.split("/")[-1].split("_")[0].split("-")[0], f"model {model_id}"))
+    engine = _engine(row)
+    try:
+        spec = resolve_model(MODELS[model_id])
+    except MemfitError as err:
+        raise Skip(str(err)) from None
+    status = (row.get("status") or "").lower()
+    status = "oom" if ("oom" in status or "failed" in status) else "boundary" if "boundary" in status else "success"
+    prim = row.get("primary_memory") or {}
+    metric = _metric(prim.get("metric_class") or "") if prim else "nvidia-smi"
+    cap = _bytes(prim) if metric == "capacity" else None
+    if metric == "capacity":  # a card size 'N GB' is an N GiB part (as memfit's GPU catalog reads it)
+        cap = float(prim["value"]) * GiB
+    if row.get("micro_batch_size") is None:
+        raise Skip("micro-batch size not published")
+    method, lora = _method(row)
+    seq = (row.get("sequence_length") or {}).get("value")
+    if seq is None:
+        if status != "oom":
+            raise Skip("sequence length not published")
+        seq = 256  # 'OOM at any length tested': the shortest length still does not fit
+    gc_text = str(row.get("gradient_checkpointing") or "").lower()
+    if gc_text.startswith("unknown") and "presumed" not in gc_text:
+        raise Skip("gradient checkpointing not published")
+    attn = (row.get("attention_implementation") or "").lower()
+    attention = "fa2" if "flash_attention_2" in attn else "eager" if attn.startswith("eager") else "sdpa"
+    # learned positions cap the length (santacoder: 2048; its 4096-token packing is truncated to it)
+    seq = min(int(seq), spec.max_positions)
+    kw = dict(method=method, micro_batch_size=int(row["micro_batch_size"]), seq_len=int(seq),
+              grad_accum=int(row.get("grad_accumulation") or 1), gradient_checkpointing=not gc_text.startswith("no"),
+              attention=attention, precision=_precision(row, method), **lora, **engine)
+    q = (row.get("quantization") or "").lower()
+    if method == "qlora":
+        kw["double_quant"] = "double" in q or "nested" in q or "4-bit (qlora)" in q
+        if "quant_storage bf16" in q or "quant_storage=bf16" in q and kw.get("zero_stage") == 3:
+            kw["quant_storage"] = "bf16"
+    try:
+        strategy = Strategy(**kw)
+    except Exception as err:  # pydantic: a combination memfit does not model
+        raise Skip(f"strategy not expressible: {str(err).splitlines()[-1]}") from None
+    measured = None if status == "oom" else (cap if metric == "capacity" else _bytes(prim))
+    return Case(row["id"], group, MODELS[model_id], _hardware(row, cap), strategy, metric, measured, status,
+                row.get("reliability") or "")
+
+
+def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
+    est = estimate(resolve_model(case.model), case.hardware, case.strategy, profile=profile, margin=0.0)
+    mem = est.to_dict()["memory"]
+    alloc = float(mem["gpu_allocated_bytes"])
+    reserved = float(mem["gpu_reserved_bytes"])
+    smi = reserved + est.gpu_overhead["cuda_context"] + est.gpu_overhead["nccl_buffers"]
+    value = {"allocated": alloc, "reserved": reserved}.get(case.metric, smi)
+    fits = smi <= case.hardware.gpu.memory_bytes
+    err = None if case.measured is None else (value - case.measured) / case.measured
+    ok = (not fits) if case.status == "oom" else (fits if case.status == "boundary" else None)
+    return {"id": case.id, "group": case.group, "metric": case.metric, "status": case.status,
+            "predicted": value, "measured": case.measured, "error": err, "fits": fits, "verdict_ok": ok,
+            "allocated": alloc, "reserved": reserved, "nvidia_smi": smi, "strategy": case.strategy.label(),
+            "attention_backend": mem["attention_backend"], "reliability": case.reliability}
+
+
+def load(path: Path) -> tuple[list[Case], list[dict]]:
+    cases, skipped = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        try:
+            case = convert(row)
+            cases.append(case)
+            smi = (row.get("memory") or {}).get("nvidia_smi_peak")
+            if smi and case.metric != "nvidia-smi" and case.status == "success":  # a second published figure
+                cases.append(replace(case, id=case.id + "#nvidia-smi", metric="nvidia-smi", measured=_bytes(smi)))
+        except Skip as why:
+            skipped.append({"id": row["id"], "group": row["source_group"], "why": str(why)})
+    return cases, skipped
+
+
+def summarize(results: list[dict]) -> dict:
+    errs = [r["error"] for r in results if r["error"] is not None]
+    absd = [abs(x) for x in errs]
+    return {"rows": len({r["id"].split("#")[0] for r in results}), "compared": len(errs),
+            "median_abs": statistics.median(absd) if absd else None, "max_abs": max(absd) if absd else None,
+            "median_signed": statistics.median(errs) if errs else None,
+            "under_5": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.05],
+            "under_10": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.10],
+            "oom_called_fitting": [r["id"] for r in results if r["status"] == "oom" and r["fits"]],
+            "boundary_over_card": [r["id"] for r in results if r["status"] == "boundary" and not r["fits"]]}
+
+
+def _grid() -> list[dict]:
+    out = [{}]
+    for name in FITTED:
+        out = [{**d, name: v} for d in out for v in FIT_GRID[name]]
+    return out
+
+
+def fit(cases: list[Case], leave_out: str | None = None) -> tuple[dict, dict]:
+    """The FITTED values (grid) with the least mean |error| over the groups other than ``leave_out``, an
+    under-prediction counting twice (it is the costly mistake); rows comparing allocated bytes do not
+    depend on these constants and are left out of the fit."""
+    use = [c for c in cases if c.measured is not None and c.metric != "allocated" and c.group != leave_out]
+    best, best_score = {}, None
+    for values in _grid():
+        prof = DEFAULT_PROFILE.with_values(**values)
+        errs = [predict(c, prof)["error"] for c in use]
+        score = statistics.fmean(abs(x) * (2.0 if x < 0 else 1.0) for x in errs) if errs else 0.0
+        if best_score is None or score < best_score:
+            best, best_score = values, score
+    return best, {"fit_score": best_score, "rows": len(use)}
+
+
+def leave_one_group_out(cases: list[Case]) -> dict:
+    """For each group: fit FITTED on the other groups, report the error on the group left out."""
+    table = {}
+    for g in sorted({c.group for c in cases if c.measured is not None}):
+        values, _ = fit(cases, leave_out=g)
+        prof = DEFAULT_PROFILE.with_values(**values)
+        held = summarize([predict(c, prof) for c in cases if c.group == g])
+        table[g] = {"fitted": values, "median_abs": held["median_abs"], "max_abs": held["max_abs"],
+                    "under_10": len(held["under_10"])}
+    values, info = fit(cases)
+    table["(all groups)"] = {"fitted": values, "default": {n: getattr(DEFAULT_PROFILE, n) for n in FITTED}, **info}
+    return table
+
+
+def by_kind(cases: list[Case], results: list[dict]) -> dict:
+    """Signed error range per kind of run (memfit.estimate.accuracy.run_kind), over every compared figure."""
+    from memfit.estimate.accuracy import run_kind
+
+    out: dict = {}
+    for c, r in zip(cases, results):
+        if r["error"] is None or c.status == "boundary":
+            continue
+        s = c.strategy
+        out.setdefault(run_kind(s.method, s.zero_stage, s.fsdp, s.offload, c.hardware.world_size), []).append(r["error"])
+    return {k: {"figures": len(v), "min_pct": round(100 * min(v), 1), "max_pct": round(100 * max(v), 1),
+                "median_abs_pct": round(100 * statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
+
+
+def _pct(x) -> str:
+    return "   -  " if x is None else f"{100 * x:+6.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="published runs (JSON lines)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rows", action="store_true", help="print every row")
+    ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
+    ap.add_argument("--write-accuracy", type=Path, nargs="?", const=ACCURACY_FILE, default=None,
+                    help="write the error per kind of run for memfit's estimate output (default: %(const)s)")
+    args = ap.parse_args(argv)
+    if not args.file.is_file():
+        print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
+        return 2
+    cases, skipped = load(args.file)
+    results = [predict(c) for c in cases]
+    groups = sorted({r["group"] for r in results} | {s["group"] for s in skipped})
+    per_group = {g: summarize([r for r in results if r["group"] == g]) for g in groups}
+    for g in groups:
+        per_group[g]["skipped"] = sum(1 for s in skipped if s["group"] == g)
+    overall = summarize(results)
+    overall["skipped"] = len(skipped)
+    logo = {} if args.no_logo else leave_one_group_out(cases)
+    kinds = by_kind(cases, results)
+    if args.write_accuracy:
+        args.write_accuracy.write_text(json.dumps({"source": "bench/gpu_published.py", "file": args.file.name,
+                                                   "kinds": kinds}, indent=1) + "\n")
+    if args.json:
+        print(json.dumps({"overall": overall, "groups": per_group, "rows": results, "skipped": skipped,
+                          "leave_one_group_out": logo, "kinds": kinds}, indent=1))
+        return 0
+    print(f"{'group':14s} {'used':>4s} {'skip':>4s} {'cmp':>4s} {'median|e|':>9s} {'max|e|':>8s} {'median':>8s}"
+          f" {'<-5%':>4s} {'<-10%':>5s} {'OOM fits':>8s} {'bound>card':>10s}")
+    for name, s in [*per_group.items(), ("overall", overall)]:
+        med = "    -  " if s["median_abs"] is None else f"{100 * s['median_abs']:6.1f}%"
+        mx = "    -  " if s["max_abs"] is None else f"{100 * s['max_abs']:6.1f}%"
+        print(f"{name:14s} {s['rows']:4d} {s['skipped']:4d} {s['compared']:4d} {med:>9s} {mx:>8s}"
+              f" {_pct(s['median_signed']):>8s} {len(s['under_5']):4d} {len(s['under_10']):5d}"
+              f" {len(s['oom_called_fitting']):8d} {len(s['boundary_over_card']):10d}")
+    if args.rows:
+        print("\nrow (metric, status): predicted / measured GB, error")
+        for r in results:
+            meas = "OOM" if r["measured"] is None else f"{r['measured'] / 1e9:7.2f}"
+            print(f"  {r['id'][:70]:70s} {r['metric']:10s} {r['strategy'][:30]:30s} {r['predicted'] / 1e9:7.2f} / "
+                  f"{meas:>7s} {_pct(r['error'])} fits={r['fits']}")
+    under = [r for r in results if r["error"] is not None and r["error"] < -0.05]
+    print("\nrows more than 5 % under their measurement:" + ("" if under else " none"))
+    for r in under:
+        print(f"  {r['id']}: {_pct(r['error'])} ({r['metric']}, {r['strategy']})")
+    wrong = [r for r in results if r["verdict_ok"] is False]
+    print("rows with the wrong fit verdict (OOM rows called fitting; boundary rows predicted over their card):"
+          + ("" if wrong else " none"))
+    for r in wrong:
+        print(f"  {r['id']}: {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB with context "
+              f"-> fits={r['fits']}")
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["why"]] = reasons.get(s["why"], 0) + 1
+    print(f"\nskipped {len(skipped)} rows:")
+    for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d}  {why}")
+    if logo:
+        print("\nleave-one-group-out (" + ", ".join(FITTED) + " fitted on the other groups; error on the one left out):")
+        for g, f in logo.items():
+            vals = ", ".join(f"{k}={v:g}" for k, v in f["fitted"].items())
+            if g == "(all groups)":
+                dflt = ", ".join(f"{k}={v:g}" for k, v in f["default"].items())
+                print(f"  fitted on all groups: {vals} (Profile defaults: {dflt})")
+                continue
+            med = "-" if f["median_abs"] is None else f"{100 * f['median_abs']:.1f}%"
+            mx = "-" if f["max_abs"] is None else f"{100 * f['max_abs']:.1f}%"
+            print(f"  {g:14s} {vals}: median |e| {med}, max |e| {mx}, rows >10 % under: {f['under_10']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""What a CUDA run holds beyond the tensors autograd and the engines allocate (plain Python, no torch).
+
+- GPU generation from the catalog name (Volta, Turing, Ampere, Ada, Hopper).
+- SDPA's backend: flash where it applies, memory-efficient, else the math kernel (full score matrix).
+- The caching allocator's reserved peak: allocated + the blocks it keeps cached and cannot reuse.
+- CUDA context and NCCL communicator buffers by generation and topology.
+- The loading peak of QLoRA on one GPU.
+"""
+
+from __future__ import annotations
+
+from memfit.estimate.constants import Profile
+from memfit.spec.hardware import GpuSpec, HardwareSpec
+from memfit.spec.model import ModelSpec
+
+# catalog name prefix -> (generation, compute capability)
+_GENERATIONS = (("V100", "volta", 70), ("T4", "turing", 75), ("A100", "ampere", 80), ("A10G", "ampere", 86),
+                ("A5000", "ampere", 86), ("A6000", "ampere", 86), ("RTX3090", "ampere", 86), ("L4", "ada", 89),
+                ("L40S", "ada", 89), ("RTX4090", "ada", 89), ("H100", "hopper", 90), ("H200", "hopper", 90))
+
+
+_SEEN: dict = {}
+
+
+def generation(gpu: GpuSpec) -> tuple[str, int]:
+    """(generation, compute capability) of a catalog GPU; unknown names count as Ampere-class if they have
+    bf16 (sm80+), else Volta-class."""
+    hit = _SEEN.get((gpu.name, gpu.bf16))
+    if hit is None:
+        hit = next(((gen, cc) for prefix, gen, cc in _GENERATIONS if gpu.name.upper().startswith(prefix)),
+                   ("ampere", 80) if gpu.bf16 else ("volta", 70))
+        _SEEN[(gpu.name, gpu.bf16)] = hit
+    return hit
+
+
+def sdpa_backend(gpu: GpuSpec, model: ModelSpec, precision: str, attention: str, packed: bool = False) -> str:
+    """The kernel torch's SDPA dispatches to for a training step, as memfit's estimate assumes it.
+
+    transformers passes grouped KV heads with ``enable_gqa=True`` only when there is no mask
+    (integrations/sdpa_attention.py:42-51, use_gqa_in_sdpa), otherwise it expands k/v first (repeat_kv).
+    torch's dispatcher (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: can_use_flash_attention,
+    can_use_mem_efficient_attention) takes flash on sm80+ in 16-bit with head_dim <= 256 and no mask;
+    memory-efficient otherwise (fp32 and fp16 before sm80), but it rejects ``enable_gqa``
+    (``check_batch_size_and_num_heads_dense<false>``). So ``packed`` batches (no mask) of a grouped-query
+    model on pre-Ampere cards or in fp32 fall back to the math kernel, which materialises the scores.
+    memfit's trainer pads each batch and passes its attention mask (memfit/train/data.py), so the estimate
+    assumes ``packed=False``.
+    """
+    if attention != "sdpa":
+        return "flash_attention_2" if attention == "fa2" else "eager"
+    if gpu.is_cpu:
+        return "flash (CPU)"
+    _, cc = generation(gpu)
+    if cc >= 80 and precision != "fp32" and model.head_dim <= 256:
+        return "flash"
+    if packed and model.kv_heads != model.heads:
+        return "math"
+    return "memory-efficient"
+
+
+def attention_for_memory(backend: str, attention: str) -> str:
+    """The activation formula's attention kind: the math kernel saves the scores as eager does."""
+    return "eager" if backend == "math" else attention
+
+
+def context_bytes(gpu: GpuSpec, p: Profile) -> float:
+    """CUDA context + cuBLAS/cuBLASLt workspaces per process: the context (lazy module loading) plus the
+    workspaces, larger on Hopper (torch's default cuBLAS workspace: 32 MiB per handle on sm90 vs 4 MiB
+    ×(2 + 8 small) before; cuBLASLt likewise)."""
+    if gpu.is_cpu:
+        return 0.0
+    gen, _ = generation(gpu)
+    return p.cuda_context_bytes + (p.cuda_context_hopper_extra_bytes if gen == "hopper" else 0.0)
+
+
+def nccl_bytes(hardware: HardwareSpec, p: Profile) -> float:
+    """NCCL communicator buffers when world > 1: per-channel send/recv buffers (NCCL_BUFFSIZE 4 MiB x
+    protocols) over the channels NCCL opens, many on NVLink (and NVLS on Hopper), few over PCIe."""
+    gpu = hardware.gpu
+    if gpu.is_cpu or hardware.world_size <= 1:
+        return 0.0
+    nvlink = gpu.intra_node_bandwidth >= 100e9
+    extra = p.nccl_nvls_bytes if (nvlink and generation(gpu)[0] == "hopper" and hardware.gpus_per_node > 2) else 0.0
+    return (p.nccl_buffer_bytes if nvlink else p.nccl_buffer_pcie_bytes) + extra
+
+
+def reserved_gap(allocated: float, layer_working_set: float, offload: bool, p: Profile) -> float:
+    """Reserved − allocated at the peak. The caching allocator keeps every freed block; a layer's forward
+    temporaries (and, with checkpointing, its recomputation's) stay cached in blocks too small for the
+    loss's and the step's larger tensors, which get fresh segments: ``allocator_cached_layers`` layer working
+    sets. On top, block splitting and rounding waste ``fragmentation`` of the allocated bytes, and offload's
+    side streams keep their own pools. ``expandable_segments`` maps freed pages into growing segments:
+    the cached-layer term goes (torchtune #1185: 16.39 -> 10.83 GiB reserved)."""
+    cached = 0.0 if p.expandable_segments else p.allocator_cached_layers * layer_working_set
+    frac = p.fragmentation + (p.fragmentation_offload if offload else 0.0)
+    return cached + frac * allocated
+
+
+def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state: float, nums, half: float,
+                       p: Profile) -> float:
+    """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).
+
+    bitsandbytes quantises each 16-bit checkpoint tensor as it reaches the GPU (Params4bit.to(cuda)), so
+    loading holds the whole quantised model plus one 16-bit tensor being quantised; then
+    prepare_model_for_kbit_training upcasts the non-quantised parameters to fp32 one at a time
+    (peft/utils/other.py:205-209: the old 16-bit copy is freed after each). Under zero.Init DeepSpeed
+    partitions while loading. Under FSDP it depends on where the loading path leaves the quantised model
+    before ``fully_shard``: accelerate/utils/fsdp_utils.py:790-797 warns of a "VRAM spike" when Params4bit
+    already sit on a GPU. Not modelled there (unmeasured)."""
+    if method != "qlora" or sharded:
+        return 0.0
+    other = model.parameters - nums.linear_params
+    biggest = max(nums.largest_linear, model.embedding_parameters) * half
+    upcast = max(model.embedding_parameters, model.head_parameters) * 4.0
+    return nums.linear_params * p.nf4_bytes_per_param + quant_state + other * half + max(biggest, upcast)
