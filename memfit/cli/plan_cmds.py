@@ -57,6 +57,9 @@ def _strategy_options() -> dict[str, Any]:
                                   rich_help_panel=S),
         double_quant=typer.Option(None, "--double-quant/--no-double-quant", help="QLoRA double quantisation.",
                                   rich_help_panel=S),
+        loss=typer.Option(None, "--loss", help="standard | chunked (output projection + cross-entropy over "
+                          "token chunks, recomputed in backward: no full [tokens, vocab] logits).",
+                          rich_help_panel=S),
     )
 
 
