@@ -153,6 +153,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
     logits = M.logits_bytes(model, s, b, prec, p, st.loss)
+    if st.loss == "chunked":  # + the chunks' hidden-state gradients, held until backward concatenates them
+        logits += float(b) * s * model.hidden * r_b
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,

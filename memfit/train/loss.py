@@ -79,13 +79,13 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: 
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
-    n = flat_h.shape[0]
     if vocab is None:
         vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
-    step = chunk or loss_chunk_tokens(vocab, n)
+    step = chunk or loss_chunk_tokens(vocab, flat_h.shape[0])
     total = None
-    for start in range(0, n, step):
-        h, t = flat_h[start:start + step], target[start:start + step]
+    # split, not slicing: one SplitBackward concatenates the chunks' hidden-state gradients (a slice's
+    # backward would allocate a zero-filled [tokens, hidden] tensor per chunk)
+    for h, t in zip(flat_h.split(step), target.split(step)):
         if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters())):
             part = checkpoint(_chunk_loss_sum, head, post, ignore_index, h, t, use_reentrant=False)
         else:
