@@ -97,7 +97,11 @@ def test_enumeration_holds_fixed_keys_and_pairs_qlora_storage():
 def test_enumeration_size_and_restrictions():
     full = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1))
     # 4 methods x 2 gc x 3 attention x (DDP 1 + ZeRO-1/2 2x2 + ZeRO-3 3 + FSDP-SGO 2 + FSDP-full 3 offloads)
-    assert len(full) == 4 * 2 * 3 * (1 + 4 + 3 + 2 + 3)
+    # x 2 losses (standard, chunked)
+    assert len(full) == 4 * 2 * 3 * (1 + 4 + 3 + 2 + 3) * 2
+    assert {s.loss for s in full} == {"standard", "chunked"}
+    held = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed={"loss": "chunked"}))
+    assert len(held) == len(full) // 2 and {s.loss for s in held} == {"chunked"}
     restricted = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, methods=["lora"],
                                            zero_stages=[2, 3], allow_offload=False))
     assert {s.engine for s in restricted} == {"zero2", "zero3"}

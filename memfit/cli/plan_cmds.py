@@ -57,6 +57,9 @@ def _strategy_options() -> dict[str, Any]:
                                   rich_help_panel=S),
         double_quant=typer.Option(None, "--double-quant/--no-double-quant", help="QLoRA double quantisation.",
                                   rich_help_panel=S),
+        loss=typer.Option(None, "--loss", help="standard | chunked (output projection + cross-entropy over "
+                          "token chunks, recomputed in backward: no full [tokens, vocab] logits).",
+                          rich_help_panel=S),
     )
 
 
@@ -256,6 +259,8 @@ def matrix_cmd(
                                             "this many nodes.", rich_help_panel=P),
     batch_size: int = typer.Option(1, "--batch-size", help="Micro-batch per GPU.", rich_help_panel=S),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="LoRA rank.", rich_help_panel=S),
+    loss: Optional[str] = typer.Option(None, "--loss", help="Hold the loss: standard | chunked (default: "
+                                       "search both).", rich_help_panel=S),
     png: Optional[Path] = typer.Option(None, "--png", help="Also draw the matrix into this image file.",
                                        rich_help_panel=O),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
@@ -272,7 +277,7 @@ def matrix_cmd(
     lens = _int_list(seq_lens, "--seq-lens") or list(DEFAULT_SEQ_LENS)
     for s in lens:
         _positive("--seq-lens", s)
-    fixed = {"lora_r": lora_r} if lora_r is not None else None
+    fixed = {k: v for k, v in (("lora_r", lora_r), ("loss", loss)) if v is not None} or None
     with plan_view.progress("planning the matrix", quiet=json_):
         m = matrix(hw, _str_list(models) or DEFAULT_MODELS, lens,
                    methods=_str_list(methods) or STUDY_METHODS, offloads=offloads,

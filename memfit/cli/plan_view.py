@@ -92,7 +92,7 @@ def summary_table(d: dict, hardware: Any) -> Table:
         t.add_row("hardware", f"{facts.hardware_text(hardware)}  ({_gb(hw.get('gpu_memory_bytes'))} GB per GPU, "
                               f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
     keys = ["method", "zero_stage", "fsdp", "offload", "gradient_checkpointing", "attention", "optimizer",
-            "precision", "micro_batch_size", "grad_accum", "seq_len"]
+            "precision", "micro_batch_size", "grad_accum", "seq_len", "loss"]
     if s.get("method") in ("lora", "qlora"):
         keys += ["lora_r", "lora_targets"]
     if s.get("method") == "qlora":
@@ -218,8 +218,8 @@ def show_matrix(m: Any, png: Any = None) -> None:
         t.add_row(model, *[f"[red]{c}[/red]" if c == "✗" else c for c in row])
     console.print(t)
     console.print("[dim]✗ = nothing fits; ×2n = needs two nodes; Z1/Z2/Z3 = DeepSpeed ZeRO stage; GC = gradient "
-                  "checkpointing; Off = optimizer offload to CPU, OffP = + parameters; attention is SDPA unless "
-                  "FA2/eager is shown.[/dim]")
+                  "checkpointing; Off = optimizer offload to CPU, OffP = + parameters; CCE = chunked cross-entropy "
+                  "(--loss chunked); attention is SDPA unless FA2/eager is shown.[/dim]")
     if png is not None:
         console.print(f"wrote {png}")
 

@@ -128,12 +128,14 @@ def train_command(
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rank-0 node address (multi-node)."),
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port."),
     fallback: bool = typer.Option(False, "--fallback", help="On out-of-memory, retry with the next plan."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="standard | chunked (same as --set "
+                                       "strategy.loss=...; chunked: no full [tokens, vocab] logits)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Fine-tune a model as a run file (or --auto) describes; writes adapter/model, metrics.jsonl, summary."""
     from memfit.spec.run import load_run
 
-    overrides = list(overrides or [])
+    overrides = list(overrides or []) + ([f"strategy.loss={loss}"] if loss is not None else [])
     if auto:
         if run_file is not None:
             raise ConfigError("give either a run file or --auto, not both")

@@ -168,7 +168,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     act_fwd = float(b) * s * (r_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
-    logits = M.logits_bytes(model, s, b, prec, p)
+    logits = M.logits_bytes(model, s, b, prec, p, st.loss)
+    if st.loss == "chunked":  # + the chunks' hidden-state gradients, held until backward concatenates them
+        logits += float(b) * s * model.hidden * r_b
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
@@ -327,6 +329,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         adapter_fpt = 12.0 * model.hidden * rows * model.layers
     small_trained = adapter_params + (p_t if method == "meft" else 0.0)  # LoRA adapters or MEFT's router
     dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", small_trained, gc, adapter_fpt)
+    if st.loss == "chunked":  # backward recomputes each chunk's logits: one more output projection
+        dense += T.chunked_loss_flops(model, tokens_micro * ga)
     slow_dense = p.qlora_dequant_slowdown if method == "qlora" else 1.0
     slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
     compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff

@@ -12,6 +12,7 @@ import math
 
 from memfit.estimate.constants import Profile
 from memfit.spec.model import ModelSpec
+from memfit.spec.strategy import loss_chunk_tokens
 
 # Optimizer state bytes per trainable parameter, without any fp32 master copy.
 _OPT_STATES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
@@ -80,10 +81,17 @@ def numbers(model: ModelSpec) -> ModelNumbers:
     return hit
 
 
-def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile) -> float:
-    """b·s·V values at the loss peak: the logits, the fp32 log-softmax and two fp32 gradients."""
+def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile,
+                 loss: str = "standard") -> float:
+    """b·s·V values at the loss peak: the logits, the fp32 log-softmax and two fp32 gradients. With
+    ``loss="chunked"`` (memfit.train.loss) one chunk of ``loss_chunk_tokens`` tokens: the forward frees
+    each chunk's logits, backward recomputes them chunk by chunk, so the same per-logit bytes are live for
+    one chunk at a time (the recomputed logits, their log-softmax and the two gradients)."""
     per = profile.logits_bytes_fp32 if precision == "fp32" else profile.logits_bytes_16bit
-    return float(b) * s * model.vocab * per
+    tokens = float(b) * s
+    if loss == "chunked":
+        tokens = float(loss_chunk_tokens(model.vocab, b * s))
+    return tokens * model.vocab * per
 
 
 def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,

@@ -40,6 +40,12 @@ def step_flops(model: ModelSpec, s: int, b: int, ga: int, full: bool, adapter_pa
     return tokens * per_tok, attn, adapter
 
 
+def chunked_loss_flops(model: ModelSpec, tokens: float) -> float:
+    """The chunked loss's recomputation (memfit.train.loss): each chunk's logits are computed again in
+    backward, one more forward of the output projection, 2·V·h FLOPs per token (tied head included)."""
+    return 2.0 * tokens * model.vocab * model.hidden
+
+
 def collective_seconds(bytes_per_gpu: float, hw: HardwareSpec, profile: Profile) -> float:
     """Ring collective time for ``bytes_per_gpu`` of payload ((N−1)/N of it crosses each link)."""
     n = hw.world_size

@@ -161,6 +161,10 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
         net = AutoModelForCausalLM.from_config(cfg, dtype=weight_dtype)
     if s.gradient_checkpointing:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if s.loss == "chunked":  # as memfit.train.model.build_model does
+        from memfit.train.loss import install_chunked_loss
+
+        install_chunked_loss(net)
     if s.method == "lora":
         from peft import LoraConfig, get_peft_model
 

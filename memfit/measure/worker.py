@@ -38,11 +38,20 @@ def vocab_size_of(model_path: str) -> Optional[int]:
     return int(v) if v else None
 
 
-def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int) -> Optional[Callable[[int], bool]]:
-    """True for a tensor whose byte size is one of the output layer's b·s·V (or b·(s−1)·V) tensors."""
+def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int,
+                     loss: str = "standard") -> Optional[Callable[[int], bool]]:
+    """True for a tensor whose byte size is one of the output layer's b·s·V (or b·(s−1)·V) tensors; with
+    ``loss="chunked"`` one chunk's c·V (and the shorter last chunk's), c = loss_chunk_tokens."""
     if not vocab:
         return None
-    sizes = {micro_batch * s * vocab * e for s in (seq_len, seq_len - 1) for e in (2, 4)}
+    rows = {micro_batch * s for s in (seq_len, seq_len - 1)}
+    if loss == "chunked":
+        from memfit.spec.strategy import loss_chunk_tokens
+
+        n = micro_batch * seq_len
+        c = loss_chunk_tokens(vocab, n)
+        rows = {c, n % c} - {0}
+    sizes = {r * vocab * e for r in rows for e in (2, 4)}
     return lambda nbytes: nbytes in sizes
 
 
@@ -92,7 +101,7 @@ def main(argv: list[str]) -> int:
     s = run.strategy
     cb = ProbeCallback(warmup=int(spec["warmup"]), steps=int(spec["steps"]), out_path=spec["out"],
                        logits_bytes=logits_predicate(vocab_size_of(run.model), s.micro_batch_size,
-                                                     s.seq_len),
+                                                     s.seq_len, s.loss),
                        categories=bool(spec.get("categories", True)))
     train(run, callbacks=[cb])
     return 0

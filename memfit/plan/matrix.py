@@ -30,7 +30,8 @@ _OFFLOAD = {"none": "", "optimizer": "Off", "optimizer+params": "OffP"}
 
 
 def short_label(strategy: Any) -> str:
-    """'LoRA+Z3+GC', 'Full+Z2+Off', 'QLoRA+FSDP+GC+FA2+OffP'; SDPA, the default kernel, is not named."""
+    """'LoRA+Z3+GC', 'Full+Z2+Off', 'QLoRA+FSDP+GC+FA2+OffP', 'LoRA+DDP+GC+CCE' (chunked cross-entropy);
+    SDPA, the default kernel, is not named."""
     parts = [_METHOD[strategy.method], _ENGINE[strategy.engine]]
     if strategy.gradient_checkpointing:
         parts.append("GC")
@@ -38,6 +39,8 @@ def short_label(strategy: Any) -> str:
         parts.append(strategy.attention.upper() if strategy.attention == "fa2" else "eager")
     if strategy.offload != "none":
         parts.append(_OFFLOAD[strategy.offload])
+    if getattr(strategy, "loss", "standard") == "chunked":
+        parts.append("CCE")
     return "+".join(parts)
 
 

@@ -184,6 +184,28 @@ def plan(
     return result
 
 
+def _twins(a: Strategy, b: Strategy) -> bool:
+    """Same combination but for the loss."""
+    return (a.method, a.engine, a.offload, a.gradient_checkpointing, a.attention) == \
+        (b.method, b.engine, b.offload, b.gradient_checkpointing, b.attention)
+
+
+def chunked_loss_note(p: Plan) -> Optional[str]:
+    """When the recommendation uses the chunked loss: what the same combination needs with the standard one."""
+    rec = p.recommended
+    if rec is None or rec.strategy.loss != "chunked":
+        return None
+    twin = next((r for r in p.rejected if r.kind == "memory" and r.estimate is not None
+                 and r.strategy.loss == "standard" and _twins(r.strategy, rec.strategy)), None)
+    if twin is None:
+        return None
+    std, chk = twin.estimate, rec
+    return (f"The chunked cross-entropy (--loss chunked) is what makes it fit: with the standard loss the same "
+            f"combination {short_reason(std, p.hardware)}; chunking the output layer takes its logits from "
+            f"{_gb(std.gpu['logits'])} to {_gb(chk.gpu['logits'])} for {_pct(chk.step_seconds, std.step_seconds)} "
+            "step time (the head recomputed in backward).")
+
+
 def _recipe(s: Strategy) -> tuple:
     """What makes two candidates different enough to both be worth a sentence."""
     return (s.method, s.engine, s.gradient_checkpointing)
@@ -208,6 +230,9 @@ def explain_plan(p: Plan) -> list[str]:
             f"{_gb(ram_need(rec, p.hardware) if facts.is_cpu(p.hardware) else rec.gpu_total)} of "
             f"{_gb(gpu_cap)} {'of RAM' if facts.is_cpu(p.hardware) else 'per GPU'} with {p.margin:.0%} kept free."
         )
+        note = chunked_loss_note(p)
+        if note:
+            why.append(note)
         seen = {_recipe(rec.strategy)}
         for c in p.candidates[1:]:
             if len(seen) >= 4:

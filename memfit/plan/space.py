@@ -1,7 +1,7 @@
 """The search space: every combination of levers the planner tries, as validated Strategy objects.
 
 method × gradient checkpointing × attention × engine (DDP, ZeRO-1/2/3, FSDP full_shard/shard_grad_op)
-× offload, at one precision per device (bf16-mixed where supported, else fp16-mixed; fp32 on the CPU).
+× offload × loss (standard, chunked cross-entropy), at one precision per device (bf16-mixed where supported, else fp16-mixed; fp32 on the CPU).
 Keys the user fixes (``fixed``) are held; combinations the Strategy validator refuses (offload without
 an engine, parameter offload without parameter sharding) do not exist and are skipped silently.
 """
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from memfit.errors import ConfigError
 from memfit.plan import facts, rules
-from memfit.spec.strategy import ATTENTIONS, METHODS, OFFLOADS, Strategy
+from memfit.spec.strategy import ATTENTIONS, LOSSES, METHODS, OFFLOADS, Strategy
 
 # (zero_stage, fsdp) per engine, fastest-to-leanest order.
 ENGINES: tuple[tuple[int, Any], ...] = (
@@ -121,9 +121,10 @@ def enumerate_strategies(
         offloads = [fixed["offload"]]
     gcs = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
     attentions = [fixed["attention"]] if "attention" in fixed else list(ATTENTIONS)
+    losses = [fixed["loss"]] if "loss" in fixed else list(LOSSES)
     precision = fixed.get("precision", rules.default_precision(hardware))
     base = {k: v for k, v in fixed.items() if k not in ("method", "offload", "gradient_checkpointing",
-                                                        "attention", "zero_stage", "fsdp")}
+                                                        "attention", "zero_stage", "fsdp", "loss")}
     base.update(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum, precision=precision)
     if "lora_targets" not in fixed:
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
@@ -131,7 +132,8 @@ def enumerate_strategies(
     # One device: sharding over it saves nothing, so ZeRO/FSDP only matter with offload (unless asked for).
     one_device = facts.world_size(hardware) == 1 and not ({"zero_stage", "fsdp"} & set(fixed))
     args = (tuple(methods), tuple(engines), tuple(offloads), tuple(gcs), tuple(attentions),
-            tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")), one_device)
+            tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")), one_device,
+            tuple(losses))
     try:
         space = _space(*args)
     except TypeError:  # an unhashable fixed value: build without the cache
@@ -141,7 +143,8 @@ def enumerate_strategies(
 
 @lru_cache(maxsize=256)
 def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentions: tuple,
-           base_items: tuple, fixed_storage: tuple, one_device: bool = False) -> tuple[Strategy, ...]:
+           base_items: tuple, fixed_storage: tuple, one_device: bool = False,
+           losses: tuple = ("standard",)) -> tuple[Strategy, ...]:
     """The combinations for one set of choices (cached: a matrix reuses them across models)."""
     base = dict(base_items)
     precision = base["precision"]
@@ -157,9 +160,10 @@ def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentio
                     continue
                 for gc in gcs:
                     for attention in attentions:
-                        try:
-                            out.append(Strategy(**keys, offload=offload, gradient_checkpointing=gc,
-                                                attention=attention))
-                        except ValidationError:
-                            continue  # a combination that does not exist (e.g. offload without an engine)
+                        for loss in losses:
+                            try:
+                                out.append(Strategy(**keys, offload=offload, gradient_checkpointing=gc,
+                                                    attention=attention, loss=loss))
+                            except ValidationError:
+                                continue  # a combination that does not exist (e.g. offload without an engine)
     return tuple(out)

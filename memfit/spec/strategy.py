@@ -17,6 +17,7 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 QuantStorage = Literal["uint8", "bf16", "fp16", "fp32"]
+Loss = Literal["standard", "chunked"]
 
 METHODS: tuple[str, ...] = ("full", "lora", "qlora", "meft")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
@@ -24,6 +25,16 @@ OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "sgd")
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
 FSDP_MODES: tuple[str, ...] = ("full_shard", "shard_grad_op")
+LOSSES: tuple[str, ...] = ("standard", "chunked")
+# loss=chunked: tokens per chunk of the output projection + cross-entropy (memfit.train.loss). 256 rows keep
+# the head's matmuls near compute-bound on GPUs (a 16-bit weight read once per 256 tokens) while one chunk's
+# logits stay 256 x vocab (128k vocab: 394 MB at 12 B per logit instead of 12 B x tokens x vocab).
+LOSS_CHUNK_TOKENS = 256
+
+
+def loss_chunk_tokens(vocab: int, tokens: int) -> int:
+    """Tokens per chunk of the chunked loss for ``tokens`` (= micro-batch x seq_len) flattened tokens."""
+    return max(1, min(int(tokens), LOSS_CHUNK_TOKENS))
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -46,6 +57,8 @@ class Strategy(BaseModel):
     micro_batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     seq_len: int = Field(512, ge=1)
+    loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
+                       "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
     # LoRA / QLoRA adapter
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
@@ -100,4 +113,6 @@ class Strategy(BaseModel):
         parts.append(self.attention)
         if self.offload != "none":
             parts.append(f"offload:{self.offload}")
+        if self.loss != "standard":
+            parts.append(f"{self.loss}-ce")
         return "+".join(parts)

@@ -196,6 +196,10 @@ def build_model(run, local_rank: int = 0):
             kwargs["device_map"] = {"": local_rank}
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.config.use_cache = False
+    if s.loss == "chunked":  # on the transformers model itself, before PEFT / MEFT / engine wrapping
+        from memfit.train.loss import install_chunked_loss
+
+        install_chunked_loss(model)
 
     targets: list[str] = []
     if s.method == "full":

@@ -1,0 +1,80 @@
+"""loss=chunked in the estimator, the planner and the CLI (plain Python, no torch)."""
+
+import json
+
+import pytest
+
+from memfit.cli.app import main
+from memfit.estimate import estimate
+from memfit.plan.search import plan
+from memfit.spec.hardware import parse_hardware
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import LOSS_CHUNK_TOKENS, Strategy, loss_chunk_tokens
+
+LLAMA3 = resolve_model("llama-3.1-8b")  # vocab 128,256, hidden 4,096
+RTX4090 = parse_hardware("1xRTX4090-24GB")
+
+
+def test_chunk_is_256_tokens_or_the_whole_micro_batch():
+    assert LOSS_CHUNK_TOKENS == 256
+    assert loss_chunk_tokens(128256, 8192) == 256 and loss_chunk_tokens(50257, 100) == 100
+
+
+def test_logits_line_is_one_chunk_by_hand():
+    kw = dict(method="lora", gradient_checkpointing=True, seq_len=8192, micro_batch_size=1)
+    std = estimate(LLAMA3, RTX4090, Strategy(**kw))
+    chk = estimate(LLAMA3, RTX4090, Strategy(**kw, loss="chunked"))
+    # 12 bytes per logit at the loss peak (fp32 log-softmax + two fp32 gradients; Profile.logits_bytes_16bit)
+    assert std.gpu["logits"] == 8192 * 128256 * 12 == 12_608_077_824
+    # one chunk of 256 tokens, + the chunks' hidden-state gradients (bf16 under LoRA: 2 B x tokens x hidden)
+    assert chk.gpu["logits"] == 256 * 128256 * 12 + 8192 * 4096 * 2 == 461_111_296
+    # everything else is the same; the total drops by what the logits phase held
+    for line in ("weights", "gradients", "optimizer", "lora_intermediates"):
+        assert chk.gpu[line] == std.gpu[line]
+    assert chk.gpu_total < std.gpu_total - 8e9
+    # time: backward recomputes the head once: 2 * tokens * vocab * hidden more FLOPs
+    assert chk.time["dense_flops"] - std.time["dense_flops"] == pytest.approx(2 * 8192 * 128256 * 4096)
+    assert chk.step_seconds > std.step_seconds
+
+
+def test_short_micro_batch_is_one_chunk():
+    kw = dict(method="lora", seq_len=64, micro_batch_size=2)
+    chk = estimate(LLAMA3, RTX4090, Strategy(**kw, loss="chunked"))
+    std = estimate(LLAMA3, RTX4090, Strategy(**kw))
+    assert std.gpu["logits"] == 128 * 128256 * 12
+    assert chk.gpu["logits"] == std.gpu["logits"] + 128 * 4096 * 2
+
+
+def test_plan_says_when_the_chunked_loss_makes_it_fit():
+    p = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1)
+    assert p.recommended.strategy.loss == "chunked"
+    note = [w for w in p.why if "(--loss chunked) is what makes it fit" in w]
+    assert len(note) == 1 and "12.6 GB to 0.5 GB" in note[0], p.why
+    held = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1, fixed={"loss": "standard"})
+    assert held.recommended is None or held.recommended.step_seconds > p.recommended.step_seconds
+
+
+def test_plan_prefers_the_standard_loss_when_both_fit():
+    p = plan(LLAMA3, RTX4090, seq_len=512, micro_batch_size=1)
+    assert p.recommended.strategy.loss == "standard"
+    assert not any("--loss chunked" in w for w in p.why)
+
+
+def _run(capsys, *argv):
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        code = exc.code or 0
+    return (code,) + capsys.readouterr()
+
+
+def test_cli_loss_flag_and_json(capsys):
+    code, out, _ = _run(capsys, "estimate", "-m", "llama-3.1-8b", "--gpus", "1xRTX4090-24GB", "--method", "lora",
+                        "--seq-len", "4096", "--loss", "chunked", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["strategy"]["loss"] == "chunked"
+    assert d["memory"]["gpu_bytes"]["logits"] == 256 * 128256 * 12 + 4096 * 4096 * 2
+    code, out, err = _run(capsys, "estimate", "-m", "llama-3.1-8b", "--gpus", "1xRTX4090-24GB", "--loss", "fused")
+    assert code == 2 and err.startswith("error: ") and "loss (--loss)" in err and "'chunked'" in err, err
