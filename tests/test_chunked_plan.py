@@ -45,12 +45,15 @@ def test_short_micro_batch_is_one_chunk():
     assert chk.gpu["logits"] == std.gpu["logits"] + 128 * 4096 * 2
 
 
+DDP = {"zero_stage": 0, "fsdp": False, "offload": "none"}  # one GPU, nothing sharded or offloaded
+
+
 def test_plan_says_when_the_chunked_loss_makes_it_fit():
-    p = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1)
+    p = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1, fixed=DDP)
     assert p.recommended.strategy.loss == "chunked"
     note = [w for w in p.why if "(--loss chunked) is what makes it fit" in w]
     assert len(note) == 1 and "12.6 GB to 0.5 GB" in note[0], p.why
-    held = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1, fixed={"loss": "standard"})
+    held = plan(LLAMA3, RTX4090, seq_len=8192, micro_batch_size=1, fixed={**DDP, "loss": "standard"})
     assert held.recommended is None or held.recommended.step_seconds > p.recommended.step_seconds
 
 
