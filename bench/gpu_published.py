@@ -50,8 +50,9 @@ GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-8
         "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
 # the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
 ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"
-FITTED = ("fragmentation", "allocator_cached_layers")
-FIT_GRID = {"fragmentation": [i / 100 for i in range(0, 21)], "allocator_cached_layers": [i / 4 for i in range(0, 17)]}
+FITTED = ("fragmentation", "allocator_cached_layers", "allocator_cached_loss")
+FIT_GRID = {"fragmentation": [i / 100 for i in range(2, 8)], "allocator_cached_layers": [i / 4 for i in range(1, 7)],
+            "allocator_cached_loss": [i / 4 for i in range(0, 5)]}
 
 
 class Skip(Exception):
@@ -69,6 +70,7 @@ class Case:
     measured: float  # bytes (None for OOM rows)
     status: str  # success | oom | boundary
     reliability: str
+    overrides: dict = None  # Profile values the run itself set (e.g. expandable_segments)
 
 
 def _bytes(mem: dict) -> float:
@@ -198,6 +200,8 @@ def convert(row: dict) -> Case:
 
 
 def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
+    if case.overrides:
+        profile = profile.with_values(**case.overrides)
     est = estimate(resolve_model(case.model), case.hardware, case.strategy, profile=profile, margin=0.0)
     mem = est.to_dict()["memory"]
     alloc = float(mem["gpu_allocated_bytes"])
@@ -211,6 +215,24 @@ def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
             "predicted": value, "measured": case.measured, "error": err, "fits": fits, "verdict_ok": ok,
             "allocated": alloc, "reserved": reserved, "nvidia_smi": smi, "strategy": case.strategy.label(),
             "attention_backend": mem["attention_backend"], "reliability": case.reliability}
+
+
+def load_gpu_check(path: Path) -> list[Case]:
+    """memfit's own trainer measured on a GPU by bench/gpu_check.py (its JSON): allocated and reserved."""
+    data = json.loads(path.read_text())
+    gpu = "H200-141GB" if "H200" in data["environment"]["gpu"] else data["environment"]["gpu"]
+    group = f"gpu-check-{gpu.split('-')[0].lower()}"
+    hw = HardwareSpec(gpu=find_gpu(gpu), cpu_ram_bytes=2048 * GiB)
+    cases = []
+    for r in data["records"]:
+        st = Strategy(**r["run"]["strategy"])
+        env = r.get("env") or {}
+        over = {"expandable_segments": 1.0} if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "") else None
+        m = r["measured"]
+        for metric, key in (("allocated", "peak_allocated_bytes"), ("reserved", "peak_reserved_bytes")):
+            cases.append(Case(f"{group}-{r['name']}" + ("" if metric == "allocated" else "#reserved"), group,
+                              r["shape"], hw, st, metric, float(m[key]), "success", "high", over))
+    return cases
 
 
 def load(path: Path) -> tuple[list[Case], list[dict]]:
@@ -300,6 +322,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE, help="published runs (JSON lines)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--gpu-check", type=Path, action="append", default=None,
+                    help="also compare memfit's own trainer measured by bench/gpu_check.py (its JSON; default: "
+                         "bench/results/gpu_check_*.json when present)")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
     ap.add_argument("--write-accuracy", type=Path, nargs="?", const=ACCURACY_FILE, default=None,
@@ -309,6 +334,10 @@ def main(argv=None) -> int:
         print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
         return 2
     cases, skipped = load(args.file)
+    checks = args.gpu_check if args.gpu_check is not None else sorted(
+        p for p in (HERE / "results").glob("gpu_check_*.json") if "categories" not in p.name)
+    for path in checks:
+        cases += load_gpu_check(Path(path))
     results = [predict(c) for c in cases]
     groups = sorted({r["group"] for r in results} | {s["group"] for s in skipped})
     per_group = {g: summarize([r for r in results if r["group"] == g]) for g in groups}

@@ -136,9 +136,11 @@ def test_sdpa_backend_by_gpu_generation():
 def test_reserved_is_allocated_plus_cached_layer_working_sets():
     from memfit.estimate.cuda import context_bytes, nccl_bytes, reserved_gap
     from memfit.spec.hardware import find_gpu
-    p = Profile(fragmentation=0.04, allocator_cached_layers=1.25)
-    assert reserved_gap(10e9, 2e9, False, p) == 1.25 * 2e9 + 0.04 * 10e9
-    assert reserved_gap(10e9, 2e9, False, p.with_values(expandable_segments=1.0)) == 0.04 * 10e9
+    p = Profile(fragmentation=0.04, allocator_cached_layers=0.75, allocator_cached_loss=0.5)
+    # a layer's forward + backward working set (2 GB) cached; the loss's blocks (3 GB) when the step is the peak
+    assert reserved_gap(10e9, 2e9, 3e9, False, p) == 0.75 * 2e9 + 0.5 * 3e9 + 0.04 * 10e9
+    assert reserved_gap(10e9, 2e9, 0.0, False, p) == 0.75 * 2e9 + 0.04 * 10e9
+    assert reserved_gap(10e9, 2e9, 3e9, False, p.with_values(expandable_segments=1.0)) == 0.04 * 10e9
     gib = 2**30
     assert context_bytes(find_gpu("A100-80GB"), p) == 0.8 * gib
     assert context_bytes(find_gpu("H100-80GB"), p) == 0.9 * gib

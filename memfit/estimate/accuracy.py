@@ -39,6 +39,6 @@ def published_error(kind: str) -> Optional[dict]:
 
 def describe(err: Optional[dict]) -> str:
     if not err:
-        return "no published GPU run of this kind to check against"
-    return (f"{err['kind']}: within {err['min_pct']:+.1f}…{err['max_pct']:+.1f} % on {err['figures']} published "
-            f"figure{'s' if err['figures'] != 1 else ''}")
+        return "no measured GPU run of this kind to check against yet"
+    return (f"{err['kind']}: within {err['min_pct']:+.1f}…{err['max_pct']:+.1f} % on {err['figures']} measured GPU "
+            f"figure{'s' if err['figures'] != 1 else ''} (published runs + memfit's GPU check)")

@@ -280,13 +280,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if gpu.is_cpu:
         frag = formula * p.fragmentation_cpu
     else:  # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
-        # (eager's score matrices are single large blocks the allocator splits for later requests: not counted)
-        working_set = ((act_layers + lora_int) / (p.checkpoint_extra_layers if gc else model.layers)
-                       - A.score_bytes(model, s, b, e, attention) * p.activation_scale)
+        working_set = (act_layers + lora_int) / (p.checkpoint_extra_layers if gc else model.layers)
         if model.experts:  # experts allocate their share one after another: blocks of 1/E of the routed
             routed = model.experts_per_token * model.moe_intermediate  # set, reused expert to expert
             working_set -= (1.0 - 1.0 / model.experts) * float(b) * s * (4.0 if fp32_stream else e) * 3 * routed
-        frag = CU.reserved_gap(formula, working_set, off_opt or off_par, p)
+        # + one layer's backward transients (gradients of its MLP/attention), freed and cached the same way;
+        # when the optimizer step is the peak, the loss's blocks (the logits line) stay reserved beside it
+        step_peak = phases[-1][0] >= phase
+        frag = CU.reserved_gap(formula, working_set + act_bwd - mask, logits if step_peak else 0.0, off_opt or off_par, p)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": acts,
                  "logits": logits, "lora_intermediates": lora_int, "meft_buffers": meft_buf,

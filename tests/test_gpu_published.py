@@ -1,0 +1,45 @@
+"""bench/gpu_published.py on a three-row file: a measured row, an OOM row and a row memfit cannot express."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import gpu_published as G  # noqa: E402
+
+BASE = {"source_group": "g", "gpu": {"model": "NVIDIA A100 80GB", "count": 1}, "engine": "single GPU",
+        "method": "qlora", "lora": {"r": 16, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "quantization": "bitsandbytes 4-bit NF4, double quant", "precision": "--bf16 True (AMP autocast bf16)",
+        "gradient_checkpointing": "yes", "attention_implementation": "flash_attention_2",
+        "sequence_length": {"value": 4096}, "micro_batch_size": 4, "grad_accumulation": 1, "status": "success"}
+
+
+def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
+    measured = {**BASE, "id": "q7", "model": "mistralai/Mistral-7B-v0.1",
+                "primary_memory": {"value": 20669338112, "unit": "bytes", "metric_class": "torch_max_memory_allocated"},
+                "memory": {"nvidia_smi_peak": {"value": 26056.0, "unit": "MiB"}}}
+    oom = {**BASE, "id": "q70", "model": "NousResearch/Llama-2-70b-hf", "status": "failed (likely OOM)",
+           "primary_memory": {"value": 79762.0, "unit": "MiB", "metric_class": "nvidia_smi_peak"}}
+    other = {**BASE, "id": "ia3", "model": "mistralai/Mistral-7B-v0.1", "method": "ia3",
+             "peft_config": {"peft_type": "IA3"}, "primary_memory": measured["primary_memory"]}
+    path = tmp_path / "runs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (measured, oom, other)) + "\n")
+    assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["id"]: r for r in out["rows"]}
+    # the measured row is compared on allocated bytes, and its published nvidia-smi figure on reserved + context
+    assert rows["q7"]["metric"] == "allocated" and abs(rows["q7"]["error"]) < 0.05
+    assert rows["q7#nvidia-smi"]["metric"] == "nvidia-smi"
+    assert rows["q7#nvidia-smi"]["predicted"] > rows["q7"]["predicted"]
+    # the 70B QLoRA run that ran out of memory on 80 GB is predicted not to fit
+    assert rows["q70"]["status"] == "oom" and rows["q70"]["fits"] is False and rows["q70"]["verdict_ok"]
+    assert out["skipped"] == [{"id": "ia3", "group": "g",
+                               "why": "PEFT method IA3 is not a memfit method (full, lora, qlora, meft)"}]
+    assert out["overall"]["rows"] == 2 and out["overall"]["compared"] == 2
+    assert out["kinds"]["qlora, 1 GPU"]["figures"] == 2
+
+
+def test_missing_file_is_one_line(tmp_path, capsys):
+    assert G.main(["--file", str(tmp_path / "nope.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith("error: --file")
