@@ -228,3 +228,25 @@ def test_engine_configs_written_and_adapter_reloads(matrix):
         model = PeftModel.from_pretrained(base, dist["z3off-lora"]["saved_to"])
         after = model(ids).logits
     assert not torch.allclose(before, after)  # the trained adapter changes the output
+
+
+def test_summary_predicts_per_rank_bytes_at_world_two(matrix):
+    """The 2-process ZeRO-3 summary predicts what one rank of two holds, not a one-process run."""
+    import dataclasses
+
+    from memfit.estimate import estimate
+    from memfit.spec.hardware import parse_hardware
+    from memfit.spec.model import resolve_model
+    from memfit.spec.run import load_run
+
+    _, _, root = matrix
+    summary = json.loads((root / "out2" / "z3-full" / "summary.json").read_text())
+    run = load_run(root / "out2" / "z3-full" / "run.yaml")
+    assert run.distributed.nproc == 2 and run.strategy.zero_stage == 3
+    local = parse_hardware("local", cpu_ram=run.cpu_ram)
+    model = resolve_model(run.model)
+    want = estimate(model, dataclasses.replace(local, gpus_per_node=2), run.strategy).to_dict()
+    one = estimate(model, local, run.strategy).to_dict()
+    got = summary["predicted"]["memory"]["gpu_bytes"]
+    assert got["total"] == want["memory"]["gpu_bytes"]["total"]
+    assert got["total"] < one["memory"]["gpu_bytes"]["total"]

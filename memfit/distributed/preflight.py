@@ -44,24 +44,15 @@ def _cuda_devices() -> int:
 
 
 def _specs(run: RunSpec) -> tuple[Optional[Any], Optional[Any]]:
-    """(ModelSpec, HardwareSpec of this machine) or None where they cannot be read."""
-    model = hardware = None
-    try:
-        from memfit.spec.hardware import parse_hardware
+    """(ModelSpec, HardwareSpec laid out as launched) from :func:`memfit.resolve.resolve`; (None, None)
+    where the model cannot be read as a spec (the model-folder check reports that)."""
+    from memfit.resolve import resolve
 
-        hardware = parse_hardware("local", cpu_ram=run.cpu_ram)
-        if not hardware.gpu.is_cpu:
-            hardware = dataclasses.replace(hardware, gpus_per_node=run.distributed.nproc,
-                                           nodes=run.distributed.nodes)
-    except (ImportError, MemfitError):
-        pass
     try:
-        from memfit.spec.model import resolve_model
-
-        model = resolve_model(run.model)
-    except (ImportError, MemfitError):
-        pass
-    return model, hardware
+        resolved = resolve(run)
+    except MemfitError:
+        return None, None
+    return resolved.model, resolved.hardware
 
 
 def world_reasons(run: RunSpec, world: int, local_world: int, cuda_devices: int) -> list[str]:
@@ -131,10 +122,8 @@ def _cpu_adam_buildable() -> Optional[str]:
 def rule_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     """The planner's rules for this machine. On the CPU device the engines' offload is allowed here
     (it saves nothing but runs the same code as on GPUs, which is how CI tests it)."""
-    try:
-        from memfit.plan.rules import check
-    except ImportError:
-        return []
+    from memfit.plan.rules import check
+
     s = run.strategy
     if hardware.gpu.is_cpu and s.offload != "none":
         s = s.model_copy(update={"offload": "none"})
@@ -145,10 +134,8 @@ def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     """Offload needs the node's CPU RAM for optimizer state (and parameters): the estimator's figure."""
     if run.strategy.offload == "none" or hardware.gpu.is_cpu:
         return []
-    try:
-        from memfit.estimate import estimate
-    except ImportError:
-        return []
+    from memfit.estimate import estimate
+
     need = float(estimate(model, hardware, run.strategy).cpu_total)
     have = float(hardware.cpu_ram_bytes)
     if need <= have:

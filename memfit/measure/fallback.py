@@ -87,43 +87,40 @@ def ladder(run: Any) -> list[tuple[str, Any]]:
 
 
 def _ranked(run: Any, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The planner's order where the estimator exists: lighter than the failed plan, fastest first."""
-    try:
-        from memfit.estimate import estimate
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
+    """The planner's order: lighter than the failed plan (fastest first), then the rest (lightest first).
+    A model the estimator cannot read (a ConfigError) keeps the fixed order; estimator bugs propagate."""
+    from memfit.estimate import estimate
+    from memfit.resolve import resolve
 
-        model = resolve_model(run.model)
-        hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-        now = estimate(model, hw, run.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
-        lighter, others = [], []
-        for i, (why, st) in enumerate(options):
-            d = estimate(model, hw, st).to_dict()
-            mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
-            if mem < now:
-                lighter.append((secs, i, why, st))
-            else:  # the estimate says it will not help; the estimate can be wrong: try it last
-                others.append((mem, i, why, st))
-        return [(why, st) for _, _, why, st in sorted(lighter) + sorted(others)]
-    except Exception:  # estimator absent or unable: keep the fixed order
-        pass
-    return options
+    try:
+        r = resolve(run)
+    except MemfitError:
+        return options
+    now = estimate(r.model, r.hardware, r.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
+    lighter, others = [], []
+    for i, (why, st) in enumerate(options):
+        d = estimate(r.model, r.hardware, st).to_dict()
+        mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
+        if mem < now:
+            lighter.append((secs, i, why, st))
+        else:  # the estimate says it will not help; the estimate can be wrong: try it last
+            others.append((mem, i, why, st))
+    return [(why, st) for _, _, why, st in sorted(lighter) + sorted(others)]
 
 
 def next_plan(run: Any) -> Optional[tuple[str, Any]]:
     """The next lighter strategy after ``run`` failed, or None when the ladder is exhausted."""
+    from memfit.plan.rules import check
+    from memfit.resolve import resolve
     from memfit.spec.run import run_from_dict
 
     options = _ranked(run, ladder(run))
     try:
-        from memfit.plan.rules import check
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-
-        model, hw = resolve_model(run.model), parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-        options = [(why, st) for why, st in options if not check(model, hw, st)]
-    except Exception:
-        pass
+        r = resolve(run)
+    except MemfitError:
+        r = None
+    if r is not None:
+        options = [(why, st) for why, st in options if not check(r.model, r.hardware, st)]
     if not options:
         return None
     why, st = options[0]

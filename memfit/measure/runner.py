@@ -234,30 +234,12 @@ def run_traced_process(run: Any, *, timeout: float = 900) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
-    """The estimator's ``Estimate.to_dict()`` for ``run``, or None while no estimator is installed."""
-    try:
-        from memfit.estimate import estimate
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return None
-    model = resolve_model(run.model)
-    return estimate(model, hardware_for(run), run.strategy, profile=profile).to_dict()
+def predict(run: Any, profile: Any = None) -> dict[str, Any]:
+    """The estimator's ``Estimate.to_dict()`` for ``run`` as launched (:func:`memfit.resolve.predict`:
+    on this machine's CPU every process of a multi-process run is one pseudo-device)."""
+    from memfit.resolve import predict as estimate_run
 
-
-def hardware_for(run: Any) -> Any:
-    """The run's hardware as the processes see it: on this machine's CPU every process of a
-    multi-process run is one (pseudo-)device, so 'local' with nproc=2 is a pool of two."""
-    import dataclasses
-
-    from memfit.spec.hardware import parse_hardware
-
-    hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-    nproc = run.distributed.nproc
-    if str(run.hardware).lower() in ("local", "auto") and nproc > hw.gpus_per_node and \
-            getattr(getattr(hw, "gpu", None), "is_cpu", False):
-        hw = dataclasses.replace(hw, gpus_per_node=nproc)
-    return hw
+    return estimate_run(run, profile).to_dict()
 
 
 def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,

@@ -53,41 +53,23 @@ def rank_info() -> tuple[int, int, int]:
 
 
 def predict(run) -> Optional[dict]:
-    """The planner's estimate for this run on this machine (None while memfit.estimate is absent)."""
+    """The planner's estimate for this run as launched (its hardware, ``nproc`` × ``nodes`` processes);
+    None when the model cannot be read as a spec."""
+    from memfit.resolve import predict as estimate_run
+
     try:
-        from memfit.estimate import estimate
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return None
-    try:
-        est = estimate(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram), run.strategy)
+        return estimate_run(run).to_dict()
     except MemfitError:
         return None
-    return est.to_dict() if hasattr(est, "to_dict") else None
 
 
 def preflight(run) -> list[str]:
-    """Reasons this machine cannot run the strategy (memfit.plan.rules), when that module exists."""
-    try:
-        from memfit.plan.rules import check
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return []
-    try:
-        from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
-    except ImportError:
-        reasons = None
+    """Reasons this launch cannot run the strategy (:func:`memfit.distributed.preflight.reasons`)."""
+    from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
+
     if run.strategy.attention == "fa2":  # training falls back to sdpa with a note where FA2 cannot run
         run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
-    try:
-        if reasons is not None:
-            return reasons(run)
-        return list(check(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram),
-                          run.strategy))
-    except MemfitError:
-        return []
+    return reasons(run)
 
 
 def cpu_threads() -> Optional[int]:
