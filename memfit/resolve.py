@@ -19,12 +19,18 @@ Plain Python (spec only, no torch): a leaf that plan, engines, train and measure
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from memfit.errors import ConfigError
 from memfit.spec.hardware import HardwareSpec, default_cpu_ram, parse_hardware
 from memfit.spec.model import ModelSpec, resolve_model
 from memfit.spec.run import RunSpec
 from memfit.spec.strategy import Strategy
+
+
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -60,3 +66,22 @@ def predict(run: RunSpec, profile=None):
 
     r = resolve(run)
     return estimate(r.model, r.hardware, r.strategy, profile=profile)
+
+
+def model_dir(name: str) -> Path:
+    """A local model folder with weights; anything else is a clear ConfigError."""
+    p = Path(name).expanduser()
+    if p.is_file() and p.name == "config.json":
+        p = p.parent
+    if not p.is_dir():
+        hint = ("it looks like a preset name: presets hold architecture numbers only (for planning), "
+                "no weights" if os.sep not in name and not p.suffix else "no such folder")
+        raise ConfigError(f"model: '{name}' is not a local model folder ({hint}); memfit train needs a "
+                          "folder with config.json and weights (*.safetensors), e.g. one written by "
+                          "save_pretrained, or run `memfit demo` for the embedded tiny model")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model: {p} has no config.json; give a Hugging Face model folder")
+    if not any(next(p.glob(g), None) for g in _WEIGHT_GLOBS):
+        raise ConfigError(f"model: {p} has a config.json but no weights (*.safetensors); memfit train "
+                          "cannot start from a config alone (use `memfit plan` for planning only)")
+    return p

@@ -1,18 +1,19 @@
 """DeepSpeed ZeRO-1/2/3 (+ offload) and FSDP2 on CPU/gloo, 2 processes, against one process.
 
-One torchrun launch runs every strategy in sequence in one process group (memfit.distributed.matrix),
+One torchrun launch runs every strategy in sequence in one process group (memfit.measure.engine_matrix),
 through memfit.train and the Hugging Face Trainer, as a user's run would. The single-process reference
 sees the same global batches (micro-batch 2 on one process = micro-batch 1 on each of two).
 """
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from memfit.distributed.launch import torchrun_command
 
 LORA = ["method=lora"]
 FULL = ["method=full"]
@@ -24,12 +25,6 @@ ENGINES = {
     "fsdp": ["strategy.fsdp=full_shard"],
 }
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -93,9 +88,8 @@ def matrix(tmp_path_factory):
                                                                                  "strategy.micro_batch_size=2"]},
                                             # ZeRO without a launcher: a one-process group
                                             {"name": "z2-alone", "set": LORA + ENGINES["z2"] + ["strategy.micro_batch_size=2"]}])
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-          "127.0.0.1", "--master-port", str(_free_port()), "-m", "memfit.distributed.matrix", *dist_args], root)
-    _run([sys.executable, "-m", "memfit.distributed.matrix", *ref_args], root)
+    _run(torchrun_command("memfit.measure.engine_matrix", dist_args, nproc=2), root)
+    _run([sys.executable, "-m", "memfit.measure.engine_matrix", *ref_args], root)
     dist = json.loads(Path(dist_args[2]).read_text())
     ref = json.loads(Path(ref_args[2]).read_text())
     assert dist["world_size"] == 2 and ref["world_size"] == 1

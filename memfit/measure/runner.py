@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,12 +49,6 @@ def sweep_overrides(sweeps: Iterable[str]) -> list[list[str]]:
             raise ConfigError(f"--sweep {key}: no values given; write {key}=V1,V2")
         axes.append([f"{key}={v}" for v in vals])
     return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _root_cause(text: str) -> str:
@@ -114,8 +107,9 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
         spec_path.write_text(json.dumps(spec))
         nproc = run.distributed.nproc
         if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={_free_port()}", "-m", "memfit.measure.worker", str(spec_path)]
+            from memfit.distributed.launch import torchrun_command
+
+            cmd = torchrun_command("memfit.measure.worker", [spec_path], nproc=nproc)
         else:
             cmd = [sys.executable, "-m", "memfit.measure.worker", str(spec_path)]
         from memfit.measure.probe import env_for_measurement
