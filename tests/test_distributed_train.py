@@ -33,7 +33,7 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list, cwd: Path, timeout: int = 420) -> None:
+def _run(cmd: list, cwd: Path, timeout: int = 900) -> None:
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
