@@ -53,14 +53,6 @@ def allgather_bucket_size(run: RunSpec) -> int:
     return run.distributed.allgather_bucket_size or DEFAULT_ALLGATHER_BUCKET
 
 
-def uses_deepspeed(run: RunSpec) -> bool:
-    return run.strategy.zero_stage > 0
-
-
-def uses_fsdp(run: RunSpec) -> bool:
-    return bool(run.strategy.fsdp)
-
-
 def _offload(device: Device) -> dict[str, Any]:
     return {"device": "cpu", "pin_memory": device == "cuda"}
 
