@@ -3,7 +3,7 @@
     .venv/bin/python bench/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
 
 Builds a tiny Llama (random weights), runs every engine for a full fine-tune and a LoRA in one torchrun
-launch (memfit.distributed.matrix, gloo), and a single-process reference with the same global batches.
+launch (memfit.measure.engine_matrix, gloo), and a single-process reference with the same global batches.
 Prints, per rank: parameter bytes, optimizer bytes (fp32 master partitions + Adam moments), gradient
 bytes where visible to a callback, the share of DDP's parameters+optimizer, the estimator's
 weights+optimizer per GPU for the same strategy on 2 GPUs (fp32), and the largest loss difference
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,12 +31,6 @@ ENGINES = {
     "zero3+offload": ["strategy.zero_stage=3", "strategy.offload=optimizer"],
     "fsdp-full_shard": ["strategy.fsdp=full_shard"],
 }
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
@@ -99,9 +92,10 @@ def main() -> None:
         (root / f"{name}-cases.json").write_text(json.dumps(cs))
         jobs[name] = [str(root / f"{name}.yaml"), str(root / f"{name}-cases.json"), str(root / f"{name}.json")]
     t0 = time.time()
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
-          "-m", "memfit.distributed.matrix", *jobs["dist"]], root)
-    _run([sys.executable, "-m", "memfit.distributed.matrix", *jobs["ref"]], root)
+    from memfit.distributed.launch import torchrun_command
+
+    _run(torchrun_command("memfit.measure.engine_matrix", jobs["dist"], nproc=2), root)
+    _run([sys.executable, "-m", "memfit.measure.engine_matrix", *jobs["ref"]], root)
     dist = json.loads(Path(jobs["dist"][2]).read_text())["cases"]
     ref = json.loads(Path(jobs["ref"][2]).read_text())["cases"]
 

@@ -111,7 +111,7 @@ def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
 
 
 def test_planning_modules_do_not_import_torch():
-    code = ("import sys, memfit.distributed.launch, memfit.distributed.preflight, memfit.distributed.engine, "
+    code = ("import sys, memfit.distributed.launch, memfit.distributed.preflight, memfit.distributed.engines, "
             "memfit.cli.launch_cmds; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

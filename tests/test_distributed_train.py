@@ -1,18 +1,19 @@
 """DeepSpeed ZeRO-1/2/3 (+ offload) and FSDP2 on CPU/gloo, 2 processes, against one process.
 
-One torchrun launch runs every strategy in sequence in one process group (memfit.distributed.matrix),
+One torchrun launch runs every strategy in sequence in one process group (memfit.measure.engine_matrix),
 through memfit.train and the Hugging Face Trainer, as a user's run would. The single-process reference
 sees the same global batches (micro-batch 2 on one process = micro-batch 1 on each of two).
 """
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from memfit.distributed.launch import torchrun_command
 
 LORA = ["method=lora"]
 FULL = ["method=full"]
@@ -26,19 +27,13 @@ ENGINES = {
 STEPS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1")
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def _run(cmd: list, cwd: Path, timeout: int = 420) -> None:
+def _run(cmd: list, cwd: Path, timeout: int = 900) -> None:
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -93,9 +88,8 @@ def matrix(tmp_path_factory):
                                                                                  "strategy.micro_batch_size=2"]},
                                             # ZeRO without a launcher: a one-process group
                                             {"name": "z2-alone", "set": LORA + ENGINES["z2"] + ["strategy.micro_batch_size=2"]}])
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-          "127.0.0.1", "--master-port", str(_free_port()), "-m", "memfit.distributed.matrix", *dist_args], root)
-    _run([sys.executable, "-m", "memfit.distributed.matrix", *ref_args], root)
+    _run(torchrun_command("memfit.measure.engine_matrix", dist_args, nproc=2), root)
+    _run([sys.executable, "-m", "memfit.measure.engine_matrix", *ref_args], root)
     dist = json.loads(Path(dist_args[2]).read_text())
     ref = json.loads(Path(ref_args[2]).read_text())
     assert dist["world_size"] == 2 and ref["world_size"] == 1
@@ -228,3 +222,25 @@ def test_engine_configs_written_and_adapter_reloads(matrix):
         model = PeftModel.from_pretrained(base, dist["z3off-lora"]["saved_to"])
         after = model(ids).logits
     assert not torch.allclose(before, after)  # the trained adapter changes the output
+
+
+def test_summary_predicts_per_rank_bytes_at_world_two(matrix):
+    """The 2-process ZeRO-3 summary predicts what one rank of two holds, not a one-process run."""
+    import dataclasses
+
+    from memfit.estimate import estimate
+    from memfit.spec.hardware import parse_hardware
+    from memfit.spec.model import resolve_model
+    from memfit.spec.run import load_run
+
+    _, _, root = matrix
+    summary = json.loads((root / "out2" / "z3-full" / "summary.json").read_text())
+    run = load_run(root / "out2" / "z3-full" / "run.yaml")
+    assert run.distributed.nproc == 2 and run.strategy.zero_stage == 3
+    local = parse_hardware("local", cpu_ram=run.cpu_ram)
+    model = resolve_model(run.model)
+    want = estimate(model, dataclasses.replace(local, gpus_per_node=2), run.strategy).to_dict()
+    one = estimate(model, local, run.strategy).to_dict()
+    got = summary["predicted"]["memory"]["gpu_bytes"]
+    assert got["total"] == want["memory"]["gpu_bytes"]["total"]
+    assert got["total"] < one["memory"]["gpu_bytes"]["total"]

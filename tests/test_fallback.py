@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memfit.measure.fallback import ladder, next_plan, parse_bytes, train_with_fallback  # noqa: E402
+from memfit.train.fallback import ladder, next_plan, train_with_fallback  # noqa: E402
 from memfit.measure.worker import synthetic_text_records  # noqa: E402
 from memfit.spec.run import run_from_dict  # noqa: E402
 
@@ -64,12 +64,13 @@ def test_ladder_keeps_the_effective_batch():
     assert whys == ["ZeRO stage 2→3", "offload optimizer to CPU"]
 
 
-def test_parse_bytes():
-    assert parse_bytes("6GB") == 6_000_000_000 and parse_bytes("1GiB") == 1 << 30
+def test_memory_limit_is_read_by_the_one_size_parser(monkeypatch, tmp_path):
     from memfit.errors import MemfitError
 
-    with pytest.raises(MemfitError, match="6GB"):
-        parse_bytes("lots")
+    monkeypatch.setenv("MEMFIT_MEMORY_LIMIT", "lots")
+    run = run_from_dict({"model": "x", "output_dir": str(tmp_path / "out")})
+    with pytest.raises(MemfitError, match="MEMFIT_MEMORY_LIMIT: cannot read 'lots'.*128GB"):
+        train_with_fallback(run)
 
 
 def test_fallback_switches_on_checkpointing_and_matches_a_direct_run(assets):

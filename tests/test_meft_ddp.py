@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -43,9 +42,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def test_ddp_ranks_average_cpu_grads_and_stay_identical(tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
-    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from memfit.distributed.launch import free_port
+
+    port = free_port()  # so parallel test runs do not collide
     mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     k0 = torch.load(tmp_path / "keys0.pt", weights_only=True)
     k1 = torch.load(tmp_path / "keys1.pt", weights_only=True)

@@ -109,7 +109,7 @@ def test_enumeration_size_and_restrictions():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(methods=["lora", "dora"]), "--methods: dora not allowed"),
+    (dict(methods=["lora", "ia3"]), "--methods: ia3 not allowed"),
     (dict(zero_stages=[4]), "--zero-stages: 4 not allowed"),
     (dict(seq_len=0), "seq_len=0: must be a positive integer"),
     (dict(fixed={"lora_rank": 4}), "lora_rank"),

@@ -44,9 +44,10 @@ def test_fsdp_offload_needs_cuda():
 
 
 def test_missing_deepspeed(monkeypatch):
-    real = preflight.importlib.util.find_spec
-    monkeypatch.setattr(preflight.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     (msg,) = preflight.engine_reasons(_run({"zero_stage": 2}), cpu=False)
     assert "pip install deepspeed" in msg
     assert preflight.engine_reasons(_run({"fsdp": "full_shard"}), cpu=False) == []

@@ -49,15 +49,19 @@ def launch_command(
 def _show_plan(run, cmd: list[str], as_json: bool) -> None:
     import shlex
 
-    from memfit.distributed.config import accelerate_config, deepspeed_config, world_size
-    from memfit.distributed.engine import hidden_size_of
+    from memfit.distributed.config import accelerate_config, world_size
+    from memfit.distributed.engines import for_run
+    from memfit.resolve import resolve
 
-    ds = deepspeed_config(run, hidden_size=hidden_size_of(run)) if run.strategy.zero_stage else None
+    resolved = resolve(run)  # the pool and model the launched processes will be predicted on
+    device = "cpu" if resolved.hardware.gpu.is_cpu else "cuda"
+    ds = for_run(run).config(run, device=device, hidden_size=resolved.model.hidden) \
+        if run.strategy.zero_stage else None
     if as_json:
         from memfit.cli.output import print_json
 
         print_json({"command": cmd, "world_size": world_size(run), "engine": run.strategy.engine,
-                    "deepspeed_config": ds, "accelerate_config": accelerate_config(run)})
+                    "deepspeed_config": ds, "accelerate_config": accelerate_config(run, device=device)})
         return
     from rich.table import Table
 

@@ -39,14 +39,11 @@ def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], 
 
 
 def _local_precision() -> str:
-    """What this machine trains in by default: the planner's rule where it exists, fp32 on CPU."""
-    try:
-        from memfit.plan.rules import default_precision
-        from memfit.spec.hardware import parse_hardware
+    """What this machine trains in by default (the planner's rule: fp32 on the CPU)."""
+    from memfit.plan.rules import default_precision
+    from memfit.spec.hardware import parse_hardware
 
-        return default_precision(parse_hardware("local"))
-    except Exception:  # planner absent: CPU-safe default
-        return "fp32"
+    return default_precision(parse_hardware("local"))
 
 
 def _label(run: Any, combo_index: int) -> str:
@@ -196,15 +193,7 @@ def calibrate_cmd(
 
 def register(app: typer.Typer) -> None:
     """Add ``measure`` and ``calibrate`` to ``app``."""
-    try:
-        from memfit.cli.plan_cmds import _with_strategy_flags
-    except ImportError:  # the plan CLI is absent: measure takes run files and --set only
-        def _with_strategy_flags(fn):  # type: ignore[no-redef]
-            import functools
+    from memfit.cli.plan_cmds import _with_strategy_flags
 
-            @functools.wraps(fn)
-            def wrapper(**kw):
-                fn(**kw)
-            return wrapper
     app.command("measure")(_with_strategy_flags(measure_cmd))
     app.command("calibrate")(calibrate_cmd)

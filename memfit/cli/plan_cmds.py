@@ -11,6 +11,7 @@ from typing import Any, Optional
 import typer
 
 from memfit.errors import ConfigError, IncompatibleError
+from memfit.methods import METHODS
 
 M = "Model and hardware"
 S = "Strategy (one flag per key)"
@@ -31,7 +32,7 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel
 
 def _strategy_options() -> dict[str, Any]:
     return dict(
-        method=typer.Option(None, "--method", help="full | lora | qlora | meft", rich_help_panel=S),
+        method=typer.Option(None, "--method", help=" | ".join(METHODS), rich_help_panel=S),
         zero=typer.Option(None, "--zero", help="DeepSpeed ZeRO stage 0 (DDP) | 1 | 2 | 3", rich_help_panel=S),
         fsdp=typer.Option(None, "--fsdp", help="false | full_shard | shard_grad_op", rich_help_panel=S),
         offload=typer.Option(None, "--offload", help="none | optimizer | optimizer+params", rich_help_panel=S),
@@ -233,9 +234,9 @@ def plan_cmd(
 
 
 def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Optional[str]) -> list[Path]:
-    from memfit.plan.emit import emit
+    from memfit.distributed.emit import emit
 
-    return emit(out, est.strategy, model=spec, model_ref=model_ref, hardware=hw, cpu_ram=cpu_ram)
+    return emit(out, est.strategy, model_ref=model_ref, hardware=hw, cpu_ram=cpu_ram)
 
 
 def matrix_cmd(

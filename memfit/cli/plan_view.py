@@ -9,7 +9,6 @@ from rich import box
 from rich.table import Table
 
 from memfit.cli.output import console, err_console, print_json  # noqa: F401  (print_json re-exported)
-from memfit.plan import facts
 
 def _gb(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
@@ -71,7 +70,7 @@ def _cuda_rows(t: Table, mem: dict) -> None:
 
 
 def _memory_table(d: dict, hardware: Any) -> Table:
-    if facts.is_cpu(hardware):  # the CPU device: every process's lines and the process lines share one RAM
+    if hardware.gpu.is_cpu:  # the CPU device: every process's lines and the process lines share one RAM
         return memory_table(d, "Memory per process and per node, all in the node's RAM (decimal GB)", "process")
     return memory_table(d)
 
@@ -85,11 +84,11 @@ def summary_table(d: dict, hardware: Any) -> Table:
     t.add_row("model", f"{m.get('name')}  ({m.get('parameters', 0):,} parameters, "
                        f"{m.get('trainable_parameters', 0):,} trainable)")
     hw = d.get("hardware", {})
-    if facts.is_cpu(hardware):
-        t.add_row("hardware", f"{facts.hardware_text(hardware)}: the CPU as the training device "
+    if hardware.gpu.is_cpu:
+        t.add_row("hardware", f"{hardware.text()}: the CPU as the training device "
                               f"({_gb(hw.get('cpu_ram_bytes'))} GB RAM)")
     else:
-        t.add_row("hardware", f"{facts.hardware_text(hardware)}  ({_gb(hw.get('gpu_memory_bytes'))} GB per GPU, "
+        t.add_row("hardware", f"{hardware.text()}  ({_gb(hw.get('gpu_memory_bytes'))} GB per GPU, "
                               f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
     keys = ["method", "zero_stage", "fsdp", "offload", "gradient_checkpointing", "attention", "optimizer",
             "precision", "micro_batch_size", "grad_accum", "seq_len", "loss"]
@@ -209,7 +208,7 @@ def show_matrix(m: Any, png: Any = None) -> None:
     common = methods.pop() if len(methods) == 1 else None
     if common:  # every cell uses the same method: say it once, keep the cells narrow
         rows = [[c.removeprefix(common + "+") for c in row] for row in rows]
-    t = Table(title=f"Fastest recipe that fits on {facts.hardware_text(m.hardware)}"
+    t = Table(title=f"Fastest recipe that fits on {m.hardware.text()}"
                     + (f" — {common} in every cell" if common else ""), title_justify="left", **COMPACT)
     t.add_column("model \\ seq_len", no_wrap=True)
     for s in m.seq_lens:

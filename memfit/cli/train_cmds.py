@@ -17,16 +17,6 @@ SetOpt = typer.Option(None, "--set", help="Override a run-file key, e.g. --set l
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON only.")
 
 
-def _optional(module: str, attr: str, what: str) -> Any:
-    """An attribute of another memfit module that may not exist yet, or a clear MemfitError."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        raise MemfitError(f"{what} is not available in this memfit ({module}.{attr} is missing)") from None
-
-
 def _run_training(run, *, resume: bool, as_json: bool, callbacks: list | None = None):
     from memfit.train.quiet import quiet_libraries
 
@@ -54,13 +44,11 @@ def _show(result, as_json: bool) -> None:
 
 
 def local_plan(model: str, seq_len: int, micro_batch_size: int, methods: Optional[list[str]] = None):
-    """The planner's Plan for this machine, or None while memfit.plan is not there."""
-    try:
-        from memfit.plan.search import plan
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return None
+    """The planner's Plan for this machine."""
+    from memfit.plan.search import plan
+    from memfit.spec.hardware import parse_hardware
+    from memfit.spec.model import resolve_model
+
     kwargs: dict[str, Any] = dict(seq_len=seq_len, micro_batch_size=micro_batch_size)
     if methods:
         kwargs["methods"] = methods
@@ -69,20 +57,12 @@ def local_plan(model: str, seq_len: int, micro_batch_size: int, methods: Optiona
 
 def print_plan(p) -> None:
     from memfit.cli.output import console
+    from memfit.plan.search import explain_plan
 
-    if p is None:
-        console.print("[dim]plan: the planner is not available in this memfit; training as configured[/dim]")
-        return
-    rec = getattr(p, "recommended", None)
-    if rec is None:
+    if p.recommended is None:
         console.print("[yellow]plan: nothing fits this machine by the planner's estimate[/yellow]")
         return
-    try:
-        from memfit.plan.search import explain_plan
-
-        lines = explain_plan(p)
-    except (ImportError, Exception):  # the explanation is a nicety; never fail training on it
-        lines = [f"recommended: {rec.strategy.label()}"]
+    lines = explain_plan(p)
     console.rule("plan for this machine")
     for line in lines[:8]:
         console.print(line, highlight=False)
@@ -96,10 +76,7 @@ def _auto_run(model: Optional[str], data: Optional[str], out: Optional[str], seq
     if not model:
         raise ConfigError("--auto needs --model DIR (a local model folder with weights)")
     p = local_plan(model, seq_len, micro_batch_size, methods.split(",") if methods else None)
-    if p is None:
-        raise MemfitError("--auto needs the planner (memfit.plan), which is not available in this memfit; "
-                          "write a run file instead")
-    if getattr(p, "recommended", None) is None:
+    if p.recommended is None:
         raise MemfitError(f"--auto: no strategy fits this machine for {model} at seq_len={seq_len}, "
                           f"micro_batch_size={micro_batch_size}; see `memfit plan --model {model} --gpus local`")
     if not as_json:
@@ -154,15 +131,17 @@ def train_command(
 
             run_path = save_run(run, Path(run.output_dir) / "run.yaml")
             overrides = []
-        launch = _optional("memfit.distributed.launch", "launch", "multi-process training (--nproc)")
+        from memfit.distributed.launch import launch
+
         rc = launch(str(run_path), nproc=nproc, nodes=nodes,
                     node_rank=d.node_rank if node_rank is None else node_rank,
                     master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
                     overrides=overrides, resume=resume)  # rank 0 prints progress and the summary
         raise typer.Exit(int(rc or 0))
     if fallback:
-        fn = _optional("memfit.measure.fallback", "train_with_fallback", "--fallback")
-        result = fn(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
+        from memfit.train.fallback import train_with_fallback
+
+        result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
     else:
         result = _run_training(run, resume=resume, as_json=as_json)
     _show(result, as_json)

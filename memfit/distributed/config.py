@@ -1,7 +1,7 @@
 """The engines' own configuration for a run: a DeepSpeed JSON, an accelerate config, a Trainer fsdp_config.
 
 Plain Python, no torch: ``memfit plan --emit`` writes these files, and the trainer feeds the same dicts to
-the Hugging Face Trainer (see :mod:`memfit.distributed.engine`). A user can rerun a run with the engines'
+the Hugging Face Trainer (see :mod:`memfit.distributed.engines`). A user can rerun a run with the engines'
 own launchers, e.g. ``accelerate launch --config_file accelerate.yaml -m memfit.train run.yaml``.
 
 ``device`` is ``"cuda"`` (the default, what a plan for GPUs emits) or ``"cpu"`` (gloo, as in CI): on CPU
@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from memfit.estimate.constants import DEFAULT_PROFILE
 from memfit.spec.run import RunSpec
 
 Device = Literal["cuda", "cpu"]
 
-# DeepSpeed's all-gather bucket (elements) for ZeRO-1/2 when the run file does not set one. DeepSpeed's
-# own default (5e8 elements, 1 GB in bf16) is larger than a 24 GB card can spare; 2e8 is the common choice.
-DEFAULT_ALLGATHER_BUCKET = 200_000_000
-# ZeRO-3 limits on gathered parameters (elements); DeepSpeed's defaults.
-STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
-STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+# The DeepSpeed sizes written here are the estimator's (memfit.estimate.constants.Profile, with their
+# sources), so the files memfit emits run what the estimate counts: the ZeRO-1/2 all-gather bucket when the
+# run file sets none (zero_allgather_bucket_elements), ZeRO-3's live / reuse limits on gathered elements.
+DEFAULT_ALLGATHER_BUCKET = int(DEFAULT_PROFILE.zero_allgather_bucket_elements)
+STAGE3_MAX_LIVE_PARAMETERS = int(DEFAULT_PROFILE.zero3_max_live_parameters)
+STAGE3_MAX_REUSE_DISTANCE = int(DEFAULT_PROFILE.zero3_max_reuse_distance)
 # AdamW defaults of the Trainer (TrainingArguments.adam_beta1/2, adam_epsilon); DeepSpeed checks they match.
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -52,14 +53,6 @@ def allgather_bucket_size(run: RunSpec) -> int:
     return run.distributed.allgather_bucket_size or DEFAULT_ALLGATHER_BUCKET
 
 
-def uses_deepspeed(run: RunSpec) -> bool:
-    return run.strategy.zero_stage > 0
-
-
-def uses_fsdp(run: RunSpec) -> bool:
-    return bool(run.strategy.fsdp)
-
-
 def _offload(device: Device) -> dict[str, Any]:
     return {"device": "cpu", "pin_memory": device == "cuda"}
 
@@ -83,8 +76,9 @@ def deepspeed_config(run: RunSpec, *, device: Device = "cuda", hidden_size: int 
                     allgather_bucket_size=allgather_bucket_size(run))
     else:
         rb = zero["reduce_bucket_size"]
+        prefetch = int(DEFAULT_PROFILE.zero3_prefetch_per_h2 * rb) if isinstance(rb, int) else "auto"
         zero.update(
-            stage3_prefetch_bucket_size=int(0.9 * rb) if isinstance(rb, int) else "auto",
+            stage3_prefetch_bucket_size=prefetch,
             stage3_param_persistence_threshold=10 * hidden_size if hidden_size else "auto",
             stage3_max_live_parameters=STAGE3_MAX_LIVE_PARAMETERS,
             stage3_max_reuse_distance=STAGE3_MAX_REUSE_DISTANCE,
@@ -124,7 +118,7 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
     offload moves parameters, gradients and optimizer state to CPU (FSDP2 ``CPUOffloadPolicy``);
     rank 0 alone reads the weights and broadcasts them (RAM-efficient loading); checkpoints are sharded
     (torch.distributed.checkpoint, one folder, every rank writes its part); the final adapter/model is
-    gathered into one file by the trainer (:func:`memfit.distributed.engine.save_trained`).
+    gathered into one file by the trainer (``Engine.gathered_state_dict``, :mod:`memfit.distributed.engines`).
     """
     s = run.strategy
     if not s.fsdp:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 from memfit.errors import ConfigError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a one-node rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _is_loopback(addr: str) -> bool:
@@ -57,15 +65,24 @@ def layout_overrides(nproc: int, nodes: int, node_rank: int, master_addr: str, m
             f"distributed.master_addr={master_addr}", f"distributed.master_port={master_port}"]
 
 
+def torchrun_command(module: str, args: Sequence[str], *, nproc: int, nodes: int = 1, node_rank: int = 0,
+                     master_addr: str = "127.0.0.1", master_port: Optional[int] = None,
+                     python: Optional[str] = None) -> list[str]:
+    """``python -m torch.distributed.run ... -m MODULE ARGS``: ``nproc`` processes of ``module`` on this
+    node (a free local port when ``master_port`` is None). The one place memfit spells torchrun."""
+    return [python or sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(nodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--master-addr", master_addr, "--master-port", str(master_port or free_port()),
+            "-m", module, *map(str, args)]
+
+
 def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
                    master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
                    resume: bool = False, python: Optional[str] = None) -> list[str]:
     """The torchrun command line this node runs (what :func:`launch` executes)."""
     check_layout(nproc, nodes, node_rank, master_addr, master_port)
-    cmd = [python or sys.executable, "-m", "torch.distributed.run",
-           "--nnodes", str(nodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-           "--master-addr", master_addr, "--master-port", str(master_port),
-           "-m", "memfit.train", str(run_path)]
+    cmd = torchrun_command("memfit.train", [str(run_path)], nproc=nproc, nodes=nodes, node_rank=node_rank,
+                           master_addr=master_addr, master_port=master_port, python=python)
     for item in [*overrides, *layout_overrides(nproc, nodes, node_rank, master_addr, master_port)]:
         cmd += ["--set", item]
     if resume:

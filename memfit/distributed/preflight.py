@@ -11,28 +11,12 @@ Importing this module does not import torch; torch is asked only when a check ne
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import os
 from typing import Any, Optional
 
+from memfit.distributed.ranks import launched_world
 from memfit.errors import IncompatibleError, MemfitError
 from memfit.spec.run import RunSpec
-
-
-def launched_world() -> tuple[int, int]:
-    """(world size, processes on this node) of the current launch; (1, 1) without a launcher."""
-    env = os.environ
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            return world, int(env.get("LOCAL_WORLD_SIZE", world))
-    except ImportError:  # pragma: no cover - planning-only install
-        pass
-    world = int(env.get("WORLD_SIZE", "1"))
-    return world, int(env.get("LOCAL_WORLD_SIZE", world))
 
 
 def _cuda_devices() -> int:
@@ -44,24 +28,15 @@ def _cuda_devices() -> int:
 
 
 def _specs(run: RunSpec) -> tuple[Optional[Any], Optional[Any]]:
-    """(ModelSpec, HardwareSpec of this machine) or None where they cannot be read."""
-    model = hardware = None
-    try:
-        from memfit.spec.hardware import parse_hardware
+    """(ModelSpec, HardwareSpec laid out as launched) from :func:`memfit.resolve.resolve`; (None, None)
+    where the model cannot be read as a spec (the model-folder check reports that)."""
+    from memfit.resolve import resolve
 
-        hardware = parse_hardware("local", cpu_ram=run.cpu_ram)
-        if not hardware.gpu.is_cpu:
-            hardware = dataclasses.replace(hardware, gpus_per_node=run.distributed.nproc,
-                                           nodes=run.distributed.nodes)
-    except (ImportError, MemfitError):
-        pass
     try:
-        from memfit.spec.model import resolve_model
-
-        model = resolve_model(run.model)
-    except (ImportError, MemfitError):
-        pass
-    return model, hardware
+        resolved = resolve(run)
+    except MemfitError:
+        return None, None
+    return resolved.model, resolved.hardware
 
 
 def world_reasons(run: RunSpec, world: int, local_world: int, cuda_devices: int) -> list[str]:
@@ -81,28 +56,15 @@ def world_reasons(run: RunSpec, world: int, local_world: int, cuda_devices: int)
 
 
 def engine_reasons(run: RunSpec, *, cpu: bool) -> list[str]:
-    """The engines' own limits (installed, what runs on the CPU, offload combinations)."""
-    s = run.strategy
+    """The engine's own limits (installed, what runs on the CPU, offload combinations) and what no
+    engine can offload (8-bit optimizer states)."""
+    from memfit.distributed.engines import for_run
+
     out = []
-    if s.zero_stage and importlib.util.find_spec("deepspeed") is None:
-        out.append(f"zero_stage={s.zero_stage} needs DeepSpeed: pip install deepspeed==0.19.8 "
-                   "(DS_BUILD_OPS=0), or use fsdp=full_shard / zero_stage=0")
-    if s.offload != "none":
-        if s.fsdp and s.offload == "optimizer":
-            out.append("offload=optimizer with FSDP: FSDP's CPU offload moves parameters, gradients and "
-                       "optimizer state together; use offload=optimizer+params, or zero_stage>=1 for "
-                       "optimizer-only offload")
-        if s.optimizer == "adamw8bit":
-            out.append("optimizer=adamw8bit with offload: 8-bit optimizers need their states on the GPU; "
-                       "use optimizer=adamw (32-bit AdamW) with offload")
-        if s.zero_stage and s.optimizer == "sgd":
-            out.append("optimizer=sgd with DeepSpeed offload: ZeRO-Offload steps with its CPU AdamW; use "
-                       "optimizer=adamw, or offload=none")
-    if cpu and s.fsdp and s.offload != "none":
-        out.append("FSDP offload on the CPU device: FSDP2's CPU offload pins host memory, which needs a CUDA "
-                   "GPU (and there is nothing to offload from); use offload=none, or zero_stage=3 with "
-                   "offload to exercise offloading on the CPU")
-    return out
+    if run.strategy.offload != "none" and run.strategy.optimizer == "adamw8bit":
+        out.append("optimizer=adamw8bit with offload: 8-bit optimizers need their states on the GPU; "
+                   "use optimizer=adamw (32-bit AdamW) with offload")
+    return for_run(run).reasons(run, cpu=cpu) + out
 
 
 def cpu_adam_reason(prebuilt: bool, ninja: bool, compiler: bool) -> Optional[str]:
@@ -131,10 +93,8 @@ def _cpu_adam_buildable() -> Optional[str]:
 def rule_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     """The planner's rules for this machine. On the CPU device the engines' offload is allowed here
     (it saves nothing but runs the same code as on GPUs, which is how CI tests it)."""
-    try:
-        from memfit.plan.rules import check
-    except ImportError:
-        return []
+    from memfit.plan.rules import check
+
     s = run.strategy
     if hardware.gpu.is_cpu and s.offload != "none":
         s = s.model_copy(update={"offload": "none"})
@@ -145,10 +105,8 @@ def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     """Offload needs the node's CPU RAM for optimizer state (and parameters): the estimator's figure."""
     if run.strategy.offload == "none" or hardware.gpu.is_cpu:
         return []
-    try:
-        from memfit.estimate import estimate
-    except ImportError:
-        return []
+    from memfit.estimate import estimate
+
     need = float(estimate(model, hardware, run.strategy).cpu_total)
     have = float(hardware.cpu_ram_bytes)
     if need <= have:
@@ -189,15 +147,12 @@ def before_launch(run: RunSpec) -> list[str]:
 
         gpus = detect_local().gpus_per_node
         out += world_reasons(run, run.distributed.nproc * run.distributed.nodes, run.distributed.nproc, gpus)
+    from memfit.resolve import model_dir
+
     try:
-        from memfit.train.model import resolve_model_dir
-    except ImportError:  # pragma: no cover - planning-only install
-        resolve_model_dir = None
-    if resolve_model_dir is not None:
-        try:
-            resolve_model_dir(run.model)
-        except MemfitError as err:
-            out.append(str(err))
+        model_dir(run.model)
+    except MemfitError as err:
+        out.append(str(err))
     return list(dict.fromkeys(out))
 
 

@@ -21,6 +21,7 @@ from memfit.estimate import timing as T
 from memfit.estimate.constants import DEFAULT_PROFILE, Profile
 from memfit.estimate.result import Estimate
 from memfit.spec.hardware import HardwareSpec
+from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec, lora_target_reason
 from memfit.spec.strategy import DEFAULT_LORA_TARGETS, Strategy
 
@@ -57,7 +58,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     n = hardware.world_size
     per_node = hardware.gpus_per_node
     s, b, ga = st.seq_len, st.micro_batch_size, st.grad_accum
-    method, prec = st.method, st.precision
+    method_spec = METHODS[st.method]  # the registry's method: counted as its family plus its own hooks
+    method, prec = method_spec.family, st.precision
     engine = _ENGINE_KIND[st.engine]
     family = "fsdp" if st.fsdp else ("deepspeed" if st.zero_stage else "ddp")
     w_b, g_b, o_b, copy_b = M.state_bytes(prec, st.optimizer, family, st.zero_stage)
@@ -79,7 +81,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         p_t, frozen_bytes = P, 0.0
     elif method in ("lora", "qlora"):
         targets = _targets(model, st)
-        p_t = float(model.lora_parameters(targets, st.lora_r))
+        p_t = float(model.lora_parameters(targets, st.lora_r) + method_spec.extra_trainable_parameters(model, targets))
         adapter_params = p_t
         if p_t == 0:
             reasons.append(lora_target_reason(model, targets))
@@ -179,6 +181,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
             # no mask (checkpointing makes the embeddings' output require grad: then it does)
             lora_int -= float(b) * s * mask_b * sum(lin.in_features for lin in model.linears
                                                     if lin.name in adapted and A.ROLES.get(lin.name) == "attn_in")
+        lora_int += method_spec.extra_saved_bytes(
+            model, st, targets, tokens=b * s, compute_bytes=e, adapter_bytes=rank_b, cast_bytes=cast_copy,
+            layers=p.checkpoint_extra_layers if gc else model.layers)
     meft_buf = meft_acts = meft_host = rows = 0.0
     if method == "meft":
         meft_buf, meft_acts, meft_host, rows = MF.meft_memory(model, st, p, e, gpu.is_cpu)

@@ -1,6 +1,6 @@
 """Measurement: memory probes, a fresh-process runner, measured-vs-predicted comparison, calibration of
-the estimator's free constants, and ``train --fallback``.
+the estimator's free constants, the engines' per-rank matrix (``engine_matrix``, ``rank_state``).
 
-This package imports torch lazily: ``compare`` and ``calibrate`` are plain Python and can be used by the
-planning side; ``probe``, ``callback``, ``worker`` and ``fallback`` need torch.
+This package imports torch lazily: ``compare`` and ``calibrate`` are plain Python; ``probe``,
+``callback``, ``worker`` and ``engine_matrix`` need torch.
 """

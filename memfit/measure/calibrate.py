@@ -293,8 +293,7 @@ def load_records(runs_dir: Path) -> list[dict]:
 def run_estimate_fn() -> EstimateFn:
     """(record, profile) → the real estimator's dict for the record's run (model/hardware cached)."""
     from memfit.estimate import estimate
-    from memfit.measure.runner import hardware_for
-    from memfit.spec.model import resolve_model
+    from memfit.resolve import resolve
     from memfit.spec.run import run_from_dict
 
     cache: dict[int, tuple] = {}
@@ -303,9 +302,9 @@ def run_estimate_fn() -> EstimateFn:
         key = id(record)
         if key not in cache:
             run = run_from_dict(record["run"], source=record.get("_source", "measurement"))
-            cache[key] = (resolve_model(run.model), hardware_for(run), run.strategy)
-        model, hw, strategy = cache[key]
-        return estimate(model, hw, strategy, profile=profile).to_dict()
+            cache[key] = resolve(run)
+        r = cache[key]
+        return estimate(r.model, r.hardware, r.strategy, profile=profile).to_dict()
 
     return fn
 

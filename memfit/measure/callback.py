@@ -4,10 +4,6 @@ Steps before ``warmup`` are excluded (the first step creates the optimizer state
 first measured step runs under the memory probe; the following ones are timed without it. With
 ``out_path`` set (``{rank}`` is replaced by the process rank), each rank writes its own JSON when
 training ends; the runner merges them.
-
-The same callback enforces an optional memory cap (``memory_limit_bytes``, compared with the process's
-peak RSS after every micro-step) by raising :class:`MemoryLimitExceeded`, and can inject an
-out-of-memory error at a given step (tests, fallback drills).
 """
 
 from __future__ import annotations
@@ -26,14 +22,10 @@ from transformers import TrainerCallback
 from memfit.measure import probe as P
 
 
-class MemoryLimitExceeded(RuntimeError):
-    """The configured memory cap was crossed (treated like an out-of-memory error by --fallback)."""
-
-
 def process_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    from memfit.distributed.ranks import rank_info
+
+    return rank_info()[0]
 
 
 def _device_of(model: Any) -> str:
@@ -55,14 +47,11 @@ def write_json_atomic(obj: Any, path: Path) -> Path:
 
 class ProbeCallback(TrainerCallback):
     def __init__(self, *, warmup: int = 1, steps: int = 3, out_path: Optional[str] = None,
-                 logits_bytes: Optional[Callable[[int], bool]] = None, categories: bool = True,
-                 memory_limit_bytes: Optional[int] = None, inject_oom_at: Optional[int] = None) -> None:
+                 logits_bytes: Optional[Callable[[int], bool]] = None, categories: bool = True) -> None:
         self.warmup, self.steps = warmup, steps
         self.out_path = out_path
         self.logits_bytes = logits_bytes
         self.categories = categories
-        self.memory_limit_bytes = memory_limit_bytes
-        self.inject_oom_at = inject_oom_at
         self._probe: Optional[P.TensorMemoryProbe] = None
         self._model = self._optimizer = None
         self._t0 = 0.0
@@ -90,14 +79,6 @@ class ProbeCallback(TrainerCallback):
     def _measuring(self, step: int) -> bool:
         return self.warmup <= step < self.warmup + self.steps
 
-    def _check_limit(self, state: Any) -> None:
-        if self.memory_limit_bytes is not None:
-            rss = P.peak_rss_bytes()
-            if rss > self.memory_limit_bytes:
-                raise MemoryLimitExceeded(
-                    f"peak RSS {rss / 1e9:.3f} GB crossed the memory limit "
-                    f"{self.memory_limit_bytes / 1e9:.3f} GB at step {state.global_step + 1}")
-
     # --------------------------------------------------------------- events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
         self._model, self._optimizer = model, optimizer
@@ -108,8 +89,6 @@ class ProbeCallback(TrainerCallback):
         self._model = model if model is not None else self._model
         self._optimizer = optimizer if optimizer is not None else self._optimizer
         step = state.global_step  # steps completed so far; this is step `step + 1`
-        if self.inject_oom_at is not None and step + 1 == self.inject_oom_at:
-            raise torch.OutOfMemoryError(f"injected out-of-memory at step {step + 1} (test drill)")
         if self._measuring(step):
             if step == self.warmup:
                 P.reset_peak_rss()
@@ -119,12 +98,8 @@ class ProbeCallback(TrainerCallback):
             self._t0 = time.perf_counter()
             self._c0 = time.process_time()
 
-    def on_substep_end(self, args, state, control, **kw):
-        self._check_limit(state)
-
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step - 1  # the step that just finished (0-based)
-        self._check_limit(state)
         if not self._measuring(step):
             return
         if torch.cuda.is_available():

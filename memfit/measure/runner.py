@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,12 +49,6 @@ def sweep_overrides(sweeps: Iterable[str]) -> list[list[str]]:
             raise ConfigError(f"--sweep {key}: no values given; write {key}=V1,V2")
         axes.append([f"{key}={v}" for v in vals])
     return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _root_cause(text: str) -> str:
@@ -114,8 +107,9 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
         spec_path.write_text(json.dumps(spec))
         nproc = run.distributed.nproc
         if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={_free_port()}", "-m", "memfit.measure.worker", str(spec_path)]
+            from memfit.distributed.launch import torchrun_command
+
+            cmd = torchrun_command("memfit.measure.worker", [spec_path], nproc=nproc)
         else:
             cmd = [sys.executable, "-m", "memfit.measure.worker", str(spec_path)]
         from memfit.measure.probe import env_for_measurement
@@ -234,30 +228,12 @@ def run_traced_process(run: Any, *, timeout: float = 900) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def predict(run: Any, profile: Any = None) -> Optional[dict[str, Any]]:
-    """The estimator's ``Estimate.to_dict()`` for ``run``, or None while no estimator is installed."""
-    try:
-        from memfit.estimate import estimate
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return None
-    model = resolve_model(run.model)
-    return estimate(model, hardware_for(run), run.strategy, profile=profile, distributed=run.distributed).to_dict()
+def predict(run: Any, profile: Any = None) -> dict[str, Any]:
+    """The estimator's ``Estimate.to_dict()`` for ``run`` as launched (:func:`memfit.resolve.predict`:
+    on this machine's CPU every process of a multi-process run is one pseudo-device)."""
+    from memfit.resolve import predict as estimate_run
 
-
-def hardware_for(run: Any) -> Any:
-    """The run's hardware as the processes see it: on this machine's CPU every process of a
-    multi-process run is one (pseudo-)device, so 'local' with nproc=2 is a pool of two."""
-    import dataclasses
-
-    from memfit.spec.hardware import parse_hardware
-
-    hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-    nproc = run.distributed.nproc
-    if str(run.hardware).lower() in ("local", "auto") and nproc > hw.gpus_per_node and \
-            getattr(getattr(hw, "gpu", None), "is_cpu", False):
-        hw = dataclasses.replace(hw, gpus_per_node=nproc)
-    return hw
+    return estimate_run(run, profile).to_dict()
 
 
 def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,

@@ -14,10 +14,9 @@ AdamW / SGD. Not traced: QLoRA (bitsandbytes kernels), MEFT, sharded engines.
 from __future__ import annotations
 
 import contextlib
-import json
 import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from memfit.errors import IncompatibleError, MemfitError
 
@@ -29,7 +28,9 @@ def config_path(model: str) -> Path:
         return p / "config.json"
     if p.is_file():
         return p
-    preset = Path(__file__).resolve().parent.parent / "presets" / f"{model}.json"
+    from memfit.spec.model import PRESET_DIR
+
+    preset = PRESET_DIR / f"{model}.json"
     if preset.is_file():
         return preset
     raise MemfitError(f"model: {model!r} is neither a folder with config.json, a config.json, nor a preset")
@@ -122,20 +123,24 @@ def _unpacked_inputs():
 
 
 def _load_and_autocast_dtypes(s: Any) -> tuple[Any, Any]:
-    """(dtype the weights are loaded in, autocast dtype or None): memfit's trainer's own choice
-    (``memfit.train.model._dtypes``), so the trace loads e.g. LoRA's frozen base in bf16 under bf16-mixed."""
-    from types import SimpleNamespace
+    """(dtype the weights are loaded in, autocast dtype or None): the trainer's own choice
+    (:func:`memfit.methods.base.load_dtypes`), so the trace loads e.g. LoRA's frozen base in bf16 under
+    bf16-mixed."""
+    import torch
 
-    from memfit.train.model import _dtypes
+    from memfit.methods.base import load_dtypes
 
-    load, compute = _dtypes(SimpleNamespace(strategy=s))
+    load, compute = load_dtypes(s, cuda=torch.cuda.is_available())
     return load, (compute if s.precision.endswith("-mixed") else None)
 
 
 def check_traceable(s: Any) -> None:
     """IncompatibleError for what the trace does not cover (plain Python: callable before any torch)."""
-    if s.method not in ("full", "lora"):
-        raise IncompatibleError(f"traced estimate: method {s.method} is not traced (full and lora are)")
+    from memfit.methods import METHODS
+
+    if not METHODS[s.method].traced:
+        traced = " and ".join(n for n, m in METHODS.items() if m.traced)
+        raise IncompatibleError(f"traced estimate: method {s.method} is not traced ({traced} are)")
     if s.zero_stage or s.fsdp:
         raise IncompatibleError("traced estimate: sharded engines are not traced; use zero_stage=0, fsdp=false")
     if s.attention == "fa2":
@@ -149,6 +154,8 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.methods import METHODS
 
     s = strategy
     check_traceable(s)
@@ -165,17 +172,15 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
         from memfit.train.loss import install_chunked_loss
 
         install_chunked_loss(net)
-    if s.method == "lora":
-        from peft import LoraConfig, get_peft_model
+    method = METHODS[s.method]
+    if hasattr(method, "peft_config"):  # the trainer's own LoraConfig (targets matched in one place)
+        from peft import get_peft_model
 
-        names = {n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
-        targets = [t for t in s.lora_targets if t in names]
-        if not targets:
-            raise IncompatibleError(f"traced estimate: none of the LoRA targets {list(s.lora_targets)} "
-                                    f"is a linear layer of this model ({', '.join(sorted(names))})")
+        from memfit.methods.lora import model_linear_names
+
+        lora_cfg = method.peft_config(s, model_linear_names(net))
         with torch.device("meta"):
-            net = get_peft_model(net, LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+            net = get_peft_model(net, lora_cfg)
         if s.gradient_checkpointing:
             net.enable_input_require_grads()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -186,10 +191,8 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
         params = [p for p in net.parameters() if p.requires_grad]
         if s.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
-        elif s.optimizer == "adamw":
+        else:  # adamw (check_traceable refused the rest)
             opt = torch.optim.AdamW(params, lr=1e-4)
-        else:
-            raise IncompatibleError(f"traced estimate: optimizer {s.optimizer} is not traced (adamw, sgd are)")
         ids = torch.randint(0, cfg.vocab_size, (s.micro_batch_size, s.seq_len))
 
         def step() -> None:
@@ -218,22 +221,3 @@ def traced_step(model: str, strategy: Any) -> dict[str, Any]:
             step()
     return {"peak_bytes": int(tracker.peak), "model_states_bytes": int(start),
             "method": "FakeTensorMode trace (live storages)", "config": str(config_path(model))}
-
-
-def main(argv: list[str]) -> int:
-    """``python -m memfit.measure.trace SPEC.json``: SPEC = {"run": run dict, "out": path}."""
-    from memfit.spec.run import run_from_dict
-
-    spec = json.loads(Path(argv[0]).read_text())
-    run = run_from_dict(spec["run"], source="trace spec")
-    result = traced_step(run.model, run.strategy)
-    tmp = Path(spec["out"] + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(spec["out"])
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

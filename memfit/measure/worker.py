@@ -57,6 +57,7 @@ def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int,
 
 def prepare_run(spec: dict[str, Any], workdir: Path):
     """The RunSpec the worker trains: synthetic full-length data, warmup+steps steps, no checkpoints."""
+    from memfit.distributed.ranks import is_main_process
     from memfit.spec.run import run_from_dict
 
     base = run_from_dict(spec["run"], source="measure spec")
@@ -65,7 +66,7 @@ def prepare_run(spec: dict[str, Any], workdir: Path):
     steps = int(spec["warmup"]) + int(spec["steps"])
     n = s.micro_batch_size * s.grad_accum * world * steps + 2
     data_path = workdir / "synthetic.jsonl"
-    if int(os.environ.get("RANK", "0")) == 0 or not data_path.exists():
+    if is_main_process() or not data_path.exists():
         tmp = data_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(n, s.seq_len)))
         os.replace(tmp, data_path)

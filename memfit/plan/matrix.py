@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from memfit.plan import facts
 from memfit.plan.search import Plan, plan
 
 DEFAULT_MODELS: tuple[str, ...] = ("llama-2-7b", "llama-2-13b", "llama-2-70b", "falcon-180b")
@@ -88,7 +87,7 @@ class Matrix:
         return [[self.cell(m, s).label for s in self.seq_lens] for m in self.models]
 
     def to_dict(self) -> dict:
-        return {"hardware": facts.hardware_text(self.hardware), "cells": [c.to_dict() for c in self.cells]}
+        return {"hardware": self.hardware.text(), "cells": [c.to_dict() for c in self.cells]}
 
 
 def matrix(
@@ -111,10 +110,10 @@ def matrix(
 
     specs = [resolve_model(m) if isinstance(m, str) else m for m in models]
     seq_lens = list(seq_lens)
-    base_nodes = facts.nodes(hardware)
+    base_nodes = hardware.nodes
     max_nodes = max(max_nodes or base_nodes, base_nodes)
     pools = {base_nodes: hardware}
-    result = Matrix(hardware=hardware, models=[facts.model_name(s) for s in specs], seq_lens=seq_lens)
+    result = Matrix(hardware=hardware, models=[s.name for s in specs], seq_lens=seq_lens)
     kwargs = dict(methods=methods, offloads=offloads, zero_stages=zero_stages,
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, margin=margin,
                   profile=profile, fixed=fixed, explain=False)
@@ -126,9 +125,9 @@ def matrix(
             while found.recommended is None and nodes < max_nodes:
                 nodes += 1
                 if nodes not in pools:
-                    pools[nodes] = facts.with_nodes(hardware, nodes)
+                    pools[nodes] = hardware.with_nodes(nodes)
                 found = plan(spec, pools[nodes], seq_len=s, rule_memo=memos.setdefault(nodes, {}), **kwargs)
             if found.recommended is None:
                 found, nodes = first, base_nodes
-            result.cells.append(Cell(facts.model_name(spec), s, found, nodes))
+            result.cells.append(Cell(spec.name, s, found, nodes))
     return result

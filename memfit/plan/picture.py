@@ -12,11 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.plan import facts
-from memfit.plan.emit import default_mode
 from memfit.plan.matrix import NO_FIT, Matrix
 
 NO_FIT_COLOUR = "#d9d9d9"
+
+
+def default_mode() -> int:
+    """rw for everyone the umask allows (mkstemp's temp files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _seconds(v: float) -> str:
@@ -75,7 +80,7 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    ax.set_title(title or f"Fastest recipe that fits on {facts.hardware_text(m.hardware)}, predicted step time "
+    ax.set_title(title or f"Fastest recipe that fits on {m.hardware.text()}, predicted step time "
                           "(✗: none fits; ×2n: two nodes)", fontsize=10)
     handles = [Patch(facecolor=colours[r], label=r) for r in recipes]
     if handles:

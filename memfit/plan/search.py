@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
-from memfit.plan import facts, rules
+from memfit.plan import rules
+from memfit.plan.single import check_margin
 from memfit.plan.space import enumerate_strategies, make_strategy
 from memfit.spec.strategy import Strategy
 
@@ -66,14 +67,14 @@ class Plan:
 
 
 def _memory(est: Any, hardware: Any) -> str:
-    if facts.is_cpu(hardware):
+    if hardware.gpu.is_cpu:
         return f"{_gb(ram_need(est, hardware))} of RAM"
     return f"{_gb(est.gpu_total)} per GPU"
 
 
 def ram_need(est: Any, hardware: Any) -> float:
     """On the CPU device one RAM holds every process's "device" lines plus the process/offload lines."""
-    return facts.gpus_per_node(hardware) * est.gpu_total + est.cpu_total
+    return hardware.gpus_per_node * est.gpu_total + est.cpu_total
 
 
 def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]]:
@@ -81,12 +82,12 @@ def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]
     if est.fits:
         return None
     reason = "; ".join(est.reasons) or "does not fit"
-    usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware)) or 1.0
-    if facts.is_cpu(hardware):  # one RAM holds the "device" lines and the process
+    usable_gpu = float(est.usable_gpu_bytes) or 1.0
+    if hardware.gpu.is_cpu:  # one RAM holds the "device" lines and the process
         need = ram_need(est, hardware)
         return reason, max(need - usable_gpu, 0.0), need / usable_gpu
     worst = [(est.gpu_total / usable_gpu, est.gpu_total - usable_gpu)]
-    ram = facts.cpu_ram_bytes(hardware)
+    ram = float(hardware.cpu_ram_bytes)
     if ram:
         worst.append((est.cpu_total / ram, est.cpu_total - ram))
     ratio, short = max(worst)
@@ -95,14 +96,14 @@ def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]
 
 def short_reason(est: Any, hardware: Any) -> str:
     """'needs 207.2 GB per GPU (32.6 GB usable)' and/or the CPU RAM shortfall, in few words."""
-    usable_gpu = float(getattr(est, "usable_gpu_bytes", 0) or facts.gpu_memory_bytes(hardware))
-    if facts.is_cpu(hardware):
+    usable_gpu = float(est.usable_gpu_bytes)
+    if hardware.gpu.is_cpu:
         return f"needs {_gb(ram_need(est, hardware))} of RAM ({_gb(usable_gpu)} usable)"
     parts = []
     if est.gpu_total > usable_gpu:
         parts.append(f"needs {_gb(est.gpu_total)} per GPU ({_gb(usable_gpu)} usable, "
                      f"{_gb(est.gpu_total - usable_gpu)} over)")
-    ram = facts.cpu_ram_bytes(hardware)
+    ram = float(hardware.cpu_ram_bytes)
     if ram and est.cpu_total > ram:
         parts.append(f"needs {_gb(est.cpu_total)} of CPU RAM per node (node has {_gb(ram)})")
     return " and ".join(parts) or "; ".join(est.reasons)
@@ -144,8 +145,7 @@ def plan(
     """
     from memfit.estimate import estimate
 
-    if not 0.0 <= margin < 1.0:
-        raise ConfigError(f"--margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% free")
+    check_margin(margin)
     result = Plan(model=model, hardware=hardware, margin=margin)
     result.search_args = dict(methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
                               offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -222,13 +222,13 @@ def explain_plan(p: Plan) -> list[str]:
     n_tried = len(p.candidates) + len(p.rejected)
     n_rule = sum(1 for r in p.rejected if r.kind == "rule")
     n_mem = len(p.rejected) - n_rule
-    gpu_cap = facts.gpu_memory_bytes(p.hardware)
+    gpu_cap = float(p.hardware.gpu.memory_bytes)
     if rec is not None:
         why.append(
             f"{rec.strategy.label()} is the fastest of the {len(p.candidates)} combinations that fit "
             f"({n_tried} tried): {_sec(rec.step_seconds)} s/step using "
-            f"{_gb(ram_need(rec, p.hardware) if facts.is_cpu(p.hardware) else rec.gpu_total)} of "
-            f"{_gb(gpu_cap)} {'of RAM' if facts.is_cpu(p.hardware) else 'per GPU'} with {p.margin:.0%} kept free."
+            f"{_gb(ram_need(rec, p.hardware) if p.hardware.gpu.is_cpu else rec.gpu_total)} of "
+            f"{_gb(gpu_cap)} {'of RAM' if p.hardware.gpu.is_cpu else 'per GPU'} with {p.margin:.0%} kept free."
         )
         note = chunked_loss_note(p)
         if note:
@@ -268,14 +268,14 @@ def explain_plan(p: Plan) -> list[str]:
 
 def bigger_pools(hardware: Any) -> list[Any]:
     """Larger pools of the same GPU, smallest first: more GPUs in the node (up to 8), then more nodes."""
-    if facts.is_cpu(hardware):
+    if hardware.gpu.is_cpu:
         return []
-    pools, k = [], facts.gpus_per_node(hardware)
+    pools, k = [], hardware.gpus_per_node
     for more in (2, 4, 8):
         if more > k:
-            pools.append(facts.with_gpus_per_node(hardware, more))
+            pools.append(hardware.with_gpus_per_node(more))
     base = pools[-1] if pools else hardware
-    pools += [facts.with_nodes(base, n) for n in (2, 4) if n > facts.nodes(base)]
+    pools += [base.with_nodes(n) for n in (2, 4) if n > base.nodes]
     return pools
 
 
@@ -286,24 +286,23 @@ def what_would_fit(p: Plan, close: Rejection) -> list[str]:
     est, margin = close.estimate, p.margin
     if est is None:
         return hints
-    if facts.is_cpu(p.hardware):
+    if p.hardware.gpu.is_cpu:
         need = ram_need(est, p.hardware) / (1 - margin)
         return [f"It would fit in {_gb(need)} of RAM, or with a shorter --seq-len or a smaller model."]
     if p.search_args:
         for pool in bigger_pools(p.hardware):
             found = plan(p.model, pool, explain=False, **p.search_args)
             if found.recommended is not None:
-                hints.append(f"On {facts.hardware_text(pool)} it would fit: {found.recommended.strategy.label()} "
+                hints.append(f"On {pool.text()} it would fit: {found.recommended.strategy.label()} "
                              f"at {_sec(found.recommended.step_seconds)} s/step.")
                 break
         else:
             hints.append("No pool of up to 4 nodes of 8 of these GPUs fits it; use larger GPUs, "
                          "a shorter --seq-len or a smaller model.")
-    gpu_cap = facts.gpu_memory_bytes(p.hardware)
-    if gpu_cap and est.gpu_total > gpu_cap * (1 - margin):
+    if est.gpu_total > est.usable_gpu_bytes:  # the estimator's margin check
         hints.append(f"{close.strategy.label()} itself would fit on GPUs with at least "
                      f"{_gb(est.gpu_total / (1 - margin))} each.")
-    ram = facts.cpu_ram_bytes(p.hardware)
+    ram = float(p.hardware.cpu_ram_bytes)
     if ram and est.cpu_total > ram:
         hints.append(f"It needs --cpu-ram of at least {_gb(est.cpu_total)} per node.")
     return hints

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.methods.qlora import PARAM_DTYPE
 from memfit.plan import rules
 from memfit.plan.space import make_strategy
 from memfit.spec.strategy import Strategy
@@ -21,7 +22,7 @@ def complete_keys(model: Any, hardware: Any, keys: dict[str, Any]) -> dict[str, 
         keys["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
     if keys.get("method", "lora") == "qlora" and "quant_storage" not in keys:
         sharded = keys.get("zero_stage", 0) == 3 or keys.get("fsdp") not in (None, False)
-        keys["quant_storage"] = rules.PARAM_DTYPE.get(keys["precision"], "bf16") if sharded else "uint8"
+        keys["quant_storage"] = PARAM_DTYPE.get(keys["precision"], "bf16") if sharded else "uint8"
     return keys
 
 
@@ -55,14 +56,19 @@ class SingleEstimate:
         return d
 
 
+def check_margin(margin: float) -> None:
+    """The planner's one check of ``--margin`` (the fraction of GPU memory kept free)."""
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(f"--margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% free")
+
+
 def estimate_one(model: Any, hardware: Any, keys: dict[str, Any], *, margin: float = 0.05,
                  profile: Any = None, activation_formula: Any = None) -> SingleEstimate:
     """The estimate of the combination ``keys`` (Strategy fields), checked against rules and margin."""
     from memfit.estimate import estimate
 
     strategy = make_strategy(**complete_keys(model, hardware, keys))
-    if not 0.0 <= margin < 1.0:
-        raise ConfigError(f"--margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% free")
+    check_margin(margin)
     est = estimate(model, hardware, strategy, profile=profile, margin=margin,
                    activation_formula=activation_formula)
     return SingleEstimate(est, margin, rules.check(model, hardware, strategy))

@@ -14,8 +14,10 @@ from typing import Any, Iterable, Iterator, Optional
 from pydantic import ValidationError
 
 from memfit.errors import ConfigError
-from memfit.plan import facts, rules
-from memfit.spec.strategy import ATTENTIONS, LOSSES, METHODS, OFFLOADS, Strategy
+from memfit.methods import NAMES as METHODS, PLANNED
+from memfit.methods.qlora import PARAM_DTYPE
+from memfit.plan import rules
+from memfit.spec.strategy import ATTENTIONS, LOSSES, OFFLOADS, Strategy
 
 # (zero_stage, fsdp) per engine, fastest-to-leanest order.
 ENGINES: tuple[tuple[int, Any], ...] = (
@@ -111,7 +113,7 @@ def enumerate_strategies(
     for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("grad_accum", grad_accum)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value}: must be a positive integer")
-    methods = _check_choices("--methods", methods if methods is not None else METHODS, METHODS)
+    methods = _check_choices("--methods", methods if methods is not None else PLANNED, METHODS)
     if "method" in fixed:
         methods = [fixed["method"]]
     if offloads is None:
@@ -130,7 +132,7 @@ def enumerate_strategies(
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
     engines = engines_for(zero_stages, fixed)
     # One device: sharding over it saves nothing, so ZeRO/FSDP only matter with offload (unless asked for).
-    one_device = facts.world_size(hardware) == 1 and not ({"zero_stage", "fsdp"} & set(fixed))
+    one_device = hardware.world_size == 1 and not ({"zero_stage", "fsdp"} & set(fixed))
     args = (tuple(methods), tuple(engines), tuple(offloads), tuple(gcs), tuple(attentions),
             tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")), one_device,
             tuple(losses))
@@ -154,7 +156,7 @@ def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentio
             keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp)
             if method == "qlora" and not fixed_storage:
                 sharded = zero == 3 or bool(fsdp)
-                keys["quant_storage"] = rules.PARAM_DTYPE[precision] if sharded else "uint8"
+                keys["quant_storage"] = PARAM_DTYPE[precision] if sharded else "uint8"
             for offload in offloads:
                 if one_device and offload == "none" and (zero or fsdp):
                     continue

@@ -86,6 +86,19 @@ class HardwareSpec:
         pool = f"{self.gpus_per_node}x{self.gpu.name}"
         return f"{self.nodes}x{pool}" if self.nodes > 1 else pool
 
+    def text(self) -> str:
+        """The pool as a user writes it: '8xV100-32GB', '2x8xV100-32GB' or 'local'."""
+        return "local" if self.label == "local" else self.describe()
+
+    def with_nodes(self, n: int) -> "HardwareSpec":
+        """The same pool with ``n`` nodes (each node keeps its GPUs and CPU RAM)."""
+        return replace(self, nodes=n, label="")
+
+    def with_gpus_per_node(self, k: int) -> "HardwareSpec":
+        """The same GPU kind, ``k`` per node; CPU RAM follows the catalog default unless the user gave it."""
+        ram = self.cpu_ram_bytes if self.cpu_ram_given else default_cpu_ram(self.gpu, k)
+        return replace(self, gpus_per_node=k, cpu_ram_bytes=ram, label="")
+
 
 _UNITS = {
     "": 1, "b": 1,

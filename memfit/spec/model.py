@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
+from memfit.methods.base import matched_linears
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite")
@@ -136,16 +137,11 @@ class ModelSpec:
     def lora_linears(self, targets: Iterable[str] | str) -> list[Linear]:
         """The per-layer linears PEFT would adapt for ``target_modules=targets``.
 
-        ``"all-linear"`` (string or sole element) means every decoder-layer linear (PEFT excludes the
-        output head). A target matches a linear whose name equals it or ends with ``.name``.
+        Matched by :func:`memfit.methods.base.matched_linears` (``"all-linear"``: every decoder-layer
+        linear; PEFT excludes the output head).
         """
-        if isinstance(targets, str):
-            targets = (targets,)
-        targets = tuple(targets)
-        if targets == ("all-linear",):
-            return list(self.linears)
-        wanted = {t.rsplit(".", 1)[-1] for t in targets}
-        return [lin for lin in self.linears if lin.short in wanted]
+        chosen = set(matched_linears(self.linear_names(), targets))
+        return [lin for lin in self.linears if lin.short in chosen]
 
     def lora_parameters(self, targets: Iterable[str] | str, r: int) -> int:
         """Exact LoRA trainable parameters: r × (in + out) per adapted linear, over all layers."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Method = Literal["full", "lora", "qlora", "meft"]
+from memfit.methods import METHODS as _METHODS
 Attention = Literal["eager", "sdpa", "fa2"]
 Fsdp = Union[Literal[False], Literal["full_shard", "shard_grad_op"]]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -19,7 +19,6 @@ Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 QuantStorage = Literal["uint8", "bf16", "fp16", "fp32"]
 Loss = Literal["standard", "chunked"]
 
-METHODS: tuple[str, ...] = ("full", "lora", "qlora", "meft")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "sgd")
@@ -46,7 +45,7 @@ class Strategy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Method = "lora"
+    method: str = Field("lora", description="a method of the registry memfit.methods.METHODS")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0 = plain DDP")
     fsdp: Fsdp = False
     offload: Offload = "none"
@@ -72,6 +71,14 @@ class Strategy(BaseModel):
     meft_top_k: int = Field(64, ge=1)
     meft_experts: Union[int, Literal["auto"]] = "auto"
     meft_n_probe: int = Field(8, ge=1)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in _METHODS:
+            names = [repr(m) for m in _METHODS]
+            raise ValueError(", ".join(names[:-1]) + " or " + names[-1])
+        return value
 
     @model_validator(mode="after")
     def _one_engine(self) -> "Strategy":
@@ -103,7 +110,7 @@ class Strategy(BaseModel):
 
     @property
     def trains_adapter(self) -> bool:
-        return self.method in ("lora", "qlora", "meft")
+        return not _METHODS[self.method].trains_base
 
     def label(self) -> str:
         """A short human name, e.g. 'lora+zero2+gc+sdpa'."""

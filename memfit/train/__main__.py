@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries()
     try:
+        from memfit.distributed.ranks import rank_info
         from memfit.spec.run import load_run
-        from memfit.train.api import rank_info, train
+        from memfit.train.api import train
 
         run = load_run(args.run_file, args.overrides)
         main_rank = rank_info()[0] == 0

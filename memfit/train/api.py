@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from memfit.distributed import engines
+from memfit.distributed.ranks import rank_info
 from memfit.errors import IncompatibleError, MemfitError
 
 SUMMARY_FILE = "summary.json"
@@ -42,52 +44,24 @@ class TrainResult:
         return asdict(self)
 
 
-def rank_info() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torch.distributed or the launcher's environment."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
-
-
 def predict(run) -> Optional[dict]:
-    """The planner's estimate for this run on this machine (None while memfit.estimate is absent)."""
+    """The planner's estimate for this run as launched (its hardware, ``nproc`` × ``nodes`` processes);
+    None when the model cannot be read as a spec."""
+    from memfit.resolve import predict as estimate_run
+
     try:
-        from memfit.estimate import estimate
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return None
-    try:
-        est = estimate(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram), run.strategy)
+        return estimate_run(run).to_dict()
     except MemfitError:
         return None
-    return est.to_dict() if hasattr(est, "to_dict") else None
 
 
 def preflight(run) -> list[str]:
-    """Reasons this machine cannot run the strategy (memfit.plan.rules), when that module exists."""
-    try:
-        from memfit.plan.rules import check
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-    except ImportError:
-        return []
-    try:
-        from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
-    except ImportError:
-        reasons = None
+    """Reasons this launch cannot run the strategy (:func:`memfit.distributed.preflight.reasons`)."""
+    from memfit.distributed.preflight import reasons  # rules + world size, engines, offload RAM
+
     if run.strategy.attention == "fa2":  # training falls back to sdpa with a note where FA2 cannot run
         run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
-    try:
-        if reasons is not None:
-            return reasons(run)
-        return list(check(resolve_model(run.model), parse_hardware("local", cpu_ram=run.cpu_ram),
-                          run.strategy))
-    except MemfitError:
-        return []
+    return reasons(run)
 
 
 def cpu_threads() -> Optional[int]:
@@ -125,25 +99,19 @@ def trim_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def save_outputs(run, model, tokenizer, out: Path) -> Optional[Path]:
-    """Adapter (lora/qlora), full weights (full) or the MEFT file, each written atomically."""
+def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None) -> Path:
+    """The method's result (adapter, full model or MEFT file) in ``out/<method.output>``, atomically.
+    ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own."""
+    from memfit.methods import for_strategy
     from memfit.train.checkpoint import atomic_dir
 
-    method = run.strategy.method
-    if method in ("lora", "qlora", "full"):
-        dst = out / ("model" if method == "full" else "adapter")
-        with atomic_dir(dst) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-        return dst
-    if method == "meft":
-        from memfit.train.model import meft_api
-
-        dst = out / "meft"
-        with atomic_dir(dst) as tmp:
-            meft_api().save_meft(model, str(tmp))  # meft_adapter.safetensors + meft_config.json
-        return dst
-    return None
+    method = for_strategy(run.strategy)
+    if state_dict is not None:
+        state_dict = {k: v.detach().cpu() for k, v in state_dict.items()}
+    dst = out / method.output
+    with atomic_dir(dst) as tmp:
+        method.save(model, tokenizer, tmp, state_dict)
+    return dst
 
 
 def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult:
@@ -152,10 +120,11 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
     from transformers import set_seed
 
     from memfit.spec.run import save_run
-    from memfit.train.callbacks import MeftTraffic, MetricsWriter, StepStats, peak_memory_bytes
+    from memfit.methods import for_strategy
+    from memfit.train.callbacks import MetricsWriter, StepStats, peak_memory_bytes
     from memfit.train.checkpoint import checkpoints, clean_staging, latest_checkpoint
     from memfit.train.data import prepare_datasets
-    from memfit.train.model import build_model, meft_api
+    from memfit.train.model import build_model
     from memfit.train.trainer import build_trainer
 
     rank, local_rank, world = rank_info()
@@ -174,27 +143,21 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
         clean_staging(out)
 
     set_seed(run.training.seed)
-    from memfit.distributed.engine import prepare_process
-
-    prepare_process(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (no-op for DDP)
+    engine = engines.for_run(run)
+    engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
-    model, tokenizer, info = build_model(run, local_rank=local_rank)
+    model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine)
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
     train_ds, eval_ds, report = prepare_datasets(run, tokenizer, info.max_positions)
 
-    optimizer = None
     stats = StepStats()
     cbs: list = [stats]
     metrics_path = out / METRICS_FILE
-    if run.strategy.method == "meft":
-        meft = meft_api()
-        # The Trainer's own clipping only sees device parameters: the MEFT optimizer clips the CPU tables too.
-        optimizer = meft.build_meft_optimizer(model, lr=run.training.learning_rate,
-                                              weight_decay=run.training.weight_decay,
-                                              max_grad_norm=run.training.max_grad_norm or None)
-        cbs.append(MeftTraffic(model, meft.traffic))  # before the writer: it adds to each log line
+    method = for_strategy(run.strategy)
+    optimizer = method.optimizer(model, run.training)  # None: the Trainer's own (MEFT: its CPU AdamW)
+    cbs.extend(method.callbacks(model))  # before the writer: they add to each log line
     if main:
         if not resume and metrics_path.exists():
             metrics_path.unlink()
@@ -202,7 +165,7 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
             trim_metrics(metrics_path, int(ckpt.name.rsplit("-", 1)[-1]))
         cbs.append(MetricsWriter(metrics_path))
     cbs.extend(callbacks)
-    trainer = build_trainer(run, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
+    trainer = build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
     if main:
         save_run(run, out / "run.yaml")
 
@@ -213,12 +176,12 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         eval_loss = float(done[-1]["eval_loss"] if done else trainer.evaluate()["eval_loss"])
 
-    from memfit.distributed.engine import is_sharded, save_trained
-
-    if is_sharded(run):  # ZeRO / FSDP: every rank joins the gather, rank 0 writes
-        saved = save_trained(trainer, run, tokenizer, out)
-    else:
-        saved = save_outputs(run, trainer.model, tokenizer, out) if trainer.is_world_process_zero() else None
+    # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes
+    state_dict = engine.gathered_state_dict(trainer, run)
+    saved = None
+    if trainer.is_world_process_zero():
+        saved = save_outputs(run, trainer.accelerator.unwrap_model(trainer.model), tokenizer, out, state_dict)
+    engine.barrier()
     peak, kind = peak_memory_bytes()
     losses = stats.losses
     seen = trainer.state.num_input_tokens_seen

@@ -1,9 +1,8 @@
-"""Trainer callbacks: step timing, metrics.jsonl, a rich progress bar, MEFT traffic; peak memory."""
+"""Trainer callbacks: step timing, metrics.jsonl, a rich progress bar; peak memory."""
 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -14,14 +13,26 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux VmHWM, which ``clear_refs`` can reset; else rusage)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
 def peak_memory_bytes() -> tuple[int, str]:
     """(peak bytes, what it is): CUDA allocator peak on a GPU, else this process's peak RSS."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "peak_rss"
+    return peak_rss_bytes(), "peak_rss"
 
 
 class StepStats(TrainerCallback):
@@ -92,21 +103,6 @@ class MetricsWriter(TrainerCallback):
         with open(self.path, "a") as fh:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
-
-
-class MeftTraffic(TrainerCallback):
-    """Adds MEFT's CPU↔device traffic counters (memfit.meft.traffic) to each log line."""
-
-    def __init__(self, model, traffic_fn) -> None:
-        self.model, self.traffic_fn = model, traffic_fn
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs is None:
-            return
-        t = self.traffic_fn(self.model)
-        data = t.to_dict() if hasattr(t, "to_dict") else t
-        if isinstance(data, dict):
-            logs.update({f"meft_{k}": v for k, v in data.items() if isinstance(v, (int, float))})
 
 
 class RichProgress(TrainerCallback):

@@ -22,9 +22,9 @@ PREFIX = "checkpoint-"
 
 
 def _is_main() -> bool:
-    import torch.distributed as dist
+    from memfit.distributed.ranks import is_main_process
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return is_main_process()
 
 
 def _barrier() -> None:

@@ -1,23 +1,21 @@
-"""Load the run's model from a local folder and apply the method: full, LoRA, QLoRA (NF4) or MEFT.
+"""Load the run's model from a local folder and apply the run's method (:mod:`memfit.methods`).
 
-Gradient checkpointing is always non-reentrant, so LoRA + checkpointing never hits the
-"element 0 of tensors does not require grad" trap; the model is put in train mode after peft wrapping
-(otherwise checkpointing silently does nothing).
+The method's ``load_kwargs`` (QLoRA's 4-bit config) go to ``from_pretrained``; its ``build`` wraps the
+loaded model (gradient checkpointing, always non-reentrant; peft; MEFT). The model is put in train mode
+after wrapping (otherwise checkpointing silently does nothing).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from memfit.errors import ConfigError, IncompatibleError
-
-GC_KWARGS = {"use_reentrant": False}
-_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+from memfit.errors import ConfigError
+from memfit.methods import for_strategy
+from memfit.methods.base import load_dtypes
+from memfit.resolve import model_dir
 
 
 @dataclass
@@ -35,25 +33,6 @@ class ModelInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def resolve_model_dir(name: str) -> Path:
-    """A local model folder with weights; anything else is a clear ConfigError."""
-    p = Path(name).expanduser()
-    if p.is_file() and p.name == "config.json":
-        p = p.parent
-    if not p.is_dir():
-        hint = ("it looks like a preset name: presets hold architecture numbers only (for planning), "
-                "no weights" if os.sep not in name and not p.suffix else "no such folder")
-        raise ConfigError(f"model: '{name}' is not a local model folder ({hint}); memfit train needs a "
-                          "folder with config.json and weights (*.safetensors), e.g. one written by "
-                          "save_pretrained, or run `memfit demo` for the embedded tiny model")
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"model: {p} has no config.json; give a Hugging Face model folder")
-    if not any(next(p.glob(g), None) for g in _WEIGHT_GLOBS):
-        raise ConfigError(f"model: {p} has a config.json but no weights (*.safetensors); memfit train "
-                          "cannot start from a config alone (use `memfit plan` for planning only)")
-    return p
 
 
 def _on_cuda() -> bool:
@@ -82,97 +61,16 @@ def choose_attention(requested: str, notes: list[str]) -> str:
     return requested
 
 
-def _dtypes(run) -> tuple[Any, Any]:
-    """(load dtype of the frozen/base weights, compute dtype) for the run's precision."""
-    import torch
-
-    p, method = run.strategy.precision, run.strategy.method
-    if p == "fp16-mixed" and not _on_cuda():
-        raise IncompatibleError("strategy.precision=fp16-mixed needs a CUDA GPU; on CPU use fp32 "
-                                "(or bf16-mixed)")
-    half = {"bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16-mixed": torch.float16}.get(p)
-    if half is None:
-        return torch.float32, torch.float32
-    if p == "bf16":
-        return torch.bfloat16, torch.bfloat16
-    # mixed precision: full FT keeps fp32 master weights; adapter methods keep the frozen base in half
-    return (torch.float32 if method == "full" else half), half
-
-
-def _quantization_config(run, compute_dtype, notes: list[str]):
-    from transformers import BitsAndBytesConfig
-    import torch
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise IncompatibleError("strategy.method=qlora needs bitsandbytes (pip install bitsandbytes) or "
-                                "use method=lora")
-    storage = {"uint8": torch.uint8, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "fp32": torch.float32}[run.strategy.quant_storage]
-    if not _on_cuda():
-        notes.append("qlora on CPU: bitsandbytes NF4 CPU kernels (slow, for testing the path)")
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=run.strategy.double_quant,
-        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage,
-    )
-
-
-def linear_module_names(model) -> set[str]:
-    import torch
-
-    names = set()
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) or type(mod).__name__.startswith("Linear4bit"):
-            names.add(name.rsplit(".", 1)[-1])
-    names.discard("lm_head")
-    return names
-
-
-def lora_target_modules(model, targets: tuple[str, ...]) -> list[str] | str:
-    """The run's LoRA targets that exist in this model; 'all-linear' passes through."""
-    if "all-linear" in targets:
-        return "all-linear"
-    present = linear_module_names(model)
-    chosen = [t for t in targets if t in present]
-    if not chosen:
-        raise ConfigError(f"strategy.lora_targets {list(targets)}: none is a linear layer of this model; "
-                          f"it has {sorted(present)} (or use lora.targets=[all-linear])")
-    return chosen
-
-
-def _enable_checkpointing(model) -> None:
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=GC_KWARGS)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)
-
-
-def meft_api():
-    """memfit.meft's public functions, or a clear error while the package is not there yet."""
-    try:
-        import memfit.meft as meft
-    except ImportError:
-        meft = None
-    names = ("MeftConfig", "add_meft", "build_meft_optimizer", "save_meft", "traffic")
-    if meft is None or not all(hasattr(meft, n) for n in names):
-        raise IncompatibleError("strategy.method=meft is not available yet in this memfit (memfit.meft "
-                                "does not export add_meft); use method=lora")
-    return meft
-
-
-def meft_config(run):
-    meft = meft_api()
-    s = run.strategy
-    return meft.MeftConfig(neurons=s.meft_neurons, top_k=s.meft_top_k, experts=s.meft_experts,
-                           n_probe=s.meft_n_probe)
-
-
-def build_model(run, local_rank: int = 0):
-    """(model ready for Trainer, tokenizer, ModelInfo) for ``run`` (a RunSpec)."""
-    import torch
+def build_model(run, local_rank: int = 0, engine=None):
+    """(model ready for Trainer, tokenizer, ModelInfo) for ``run`` (a RunSpec) under ``engine`` (default:
+    the run's engine from :mod:`memfit.distributed.engines`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from memfit.distributed.engines import for_run
+
+    engine = engine or for_run(run)
     s = run.strategy
-    path = resolve_model_dir(run.model)
+    path = model_dir(run.model)
     notes: list[str] = []
     cfg = json.loads((path / "config.json").read_text())
     max_pos = cfg.get("max_position_embeddings")
@@ -186,60 +84,25 @@ def build_model(run, local_rank: int = 0):
                           "with tokenizer.save_pretrained into the folder") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    load_dtype, compute_dtype = _dtypes(run)
+    method = for_strategy(s)
+    load_dtype, compute_dtype = load_dtypes(s, cuda=_on_cuda())
     attention = choose_attention(s.attention, notes)
     kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention, local_files_only=True)
-    if s.method == "qlora":
-        kwargs["quantization_config"] = _quantization_config(run, compute_dtype, notes)
-        if _on_cuda() and not (run.strategy.fsdp or run.strategy.zero_stage == 3):
-            # FSDP / ZeRO-3 place the shards themselves (rank-0 loading / zero.Init); no device_map
-            kwargs["device_map"] = {"": local_rank}
+    kwargs.update(method.load_kwargs(run, compute_dtype, engine, local_rank, _on_cuda(), notes))
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.config.use_cache = False
     if s.loss == "chunked":  # on the transformers model itself, before PEFT / MEFT / engine wrapping
         from memfit.train.loss import install_chunked_loss
 
         install_chunked_loss(model)
-
-    targets: list[str] = []
-    if s.method == "full":
-        if s.gradient_checkpointing:
-            _enable_checkpointing(model)
-    elif s.method in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-        from memfit.distributed.engine import enable_input_grads, skip_kbit_preparation
-
-        if skip_kbit_preparation(run):  # ZeRO-3 / FSDP: no fp32 upcasts, uniform dtype to flatten
-            enable_input_grads(model, s.gradient_checkpointing, GC_KWARGS)
-        elif s.method == "qlora":
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=s.gradient_checkpointing,
-                gradient_checkpointing_kwargs=GC_KWARGS,
-            )
-        elif s.gradient_checkpointing:
-            _enable_checkpointing(model)
-        tm = lora_target_modules(model, s.lora_targets)
-        targets = [tm] if isinstance(tm, str) else tm
-        lcfg = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-                          target_modules=tm, bias="none", task_type="CAUSAL_LM")
-        model = get_peft_model(model, lcfg)
-    elif s.method == "meft":
-        meft = meft_api()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if s.gradient_checkpointing:
-            _enable_checkpointing(model)
-        model = meft.add_meft(model, meft_config(run)) or model
+    model, targets = method.build(model, run, engine)
     model.train()  # after wrapping: otherwise checkpointing silently does nothing
 
     # ZeRO-3 loads parameters already partitioned: ds_numel is the full size
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-    if s.method == "meft" and hasattr(meft_api(), "meft_state"):
-        # MEFT's keys/values live in a CPU store, not in nn.Parameters
-        trainable = int(meft_api().meft_state(model).get("trainable_parameters", trainable))
-        params += trainable
+    outside = method.parameters_outside(model)  # MEFT's keys/values live in a CPU store
+    trainable = outside or sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    params += outside
     device = f"cuda:{local_rank}" if _on_cuda() else "cpu"
     info = ModelInfo(path=str(path), method=s.method, dtype=str(load_dtype).replace("torch.", ""),
                      attention=attention, device=device, params=params, trainable=trainable,

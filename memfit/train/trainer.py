@@ -23,11 +23,9 @@ def precision_flags(precision: str) -> dict[str, bool]:
     return {"bf16": precision == "bf16-mixed", "fp16": precision == "fp16-mixed"}
 
 
-def training_arguments(run, output_dir: Path, has_eval: bool) -> TrainingArguments:
-    """TrainingArguments for ``run``; the sharding engine adds its own (memfit.distributed.engine)."""
+def training_arguments(run, output_dir: Path, has_eval: bool, engine: Any) -> TrainingArguments:
+    """TrainingArguments for ``run``; the run's engine (memfit.distributed.engines) adds its own."""
     import torch
-
-    from memfit.distributed.engine import trainer_engine_kwargs
 
     s, t = run.strategy, run.training
     if s.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
@@ -66,17 +64,17 @@ def training_arguments(run, output_dir: Path, has_eval: bool) -> TrainingArgumen
         dataloader_pin_memory=torch.cuda.is_available(),
         **precision_flags(s.precision),
     )
-    kwargs.update(trainer_engine_kwargs(run, Path(output_dir)))
+    kwargs.update(engine.trainer_kwargs(run, Path(output_dir)))
     return TrainingArguments(**kwargs)
 
 
-def build_trainer(run, model, tokenizer, train_ds, eval_ds, output_dir: Path,
+def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: Path,
                   callbacks: Sequence = (), optimizer: Optional[Any] = None) -> MemfitTrainer:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from memfit.train.data import Collator
 
-    args = training_arguments(run, output_dir, has_eval=eval_ds is not None)
+    args = training_arguments(run, output_dir, has_eval=eval_ds is not None, engine=engine)
     trainer = MemfitTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,

@@ -1,7 +1,7 @@
 """``memfit train --fallback``: on out-of-memory, continue from the last checkpoint with the next plan.
 
 An attempt ends on a CUDA out-of-memory error (``torch.OutOfMemoryError``) or on the configured memory
-cap (:class:`~memfit.measure.callback.MemoryLimitExceeded`, checked after every micro-step against the
+cap (:class:`MemoryLimitExceeded`, checked by :class:`MemoryGuard` after every micro-step against the
 process's peak RSS). The attempt is recorded in ``OUTPUT/fallback.json``, memory is freed, and the run
 continues from the newest complete checkpoint with the next strategy:
 
@@ -11,11 +11,11 @@ continues from the newest complete checkpoint with the next strategy:
 4. (several processes) a higher ZeRO stage, or FSDP ``full_shard`` instead of ``shard_grad_op``;
 5. (sharded runs) offload the optimizer, then the parameters.
 
-Where the estimator exists, the candidates are ordered as the planner ranks them (fastest predicted
-step first among those predicted lighter than the plan that failed, then the rest, lightest first);
-otherwise in the order above.
+The candidates are ordered as the planner ranks them (fastest predicted step first among those
+predicted lighter than the plan that failed, then the rest, lightest first); where the model cannot be
+read as a spec, in the order above.
 Multi-process runs (DeepSpeed / FSDP) run each attempt under torchrun through
-``memfit.measure.fallback_worker``, whose ranks write an ``oom-rank{N}.json`` marker when they run out.
+``memfit.train.fallback_worker``, whose ranks write an ``oom-rank{N}.json`` marker when they run out.
 """
 
 from __future__ import annotations
@@ -35,16 +35,35 @@ INJECT_ENV = "MEMFIT_INJECT_OOM_AT_STEP"   # drills/tests: raise an OOM at this 
 LIMIT_ENV = "MEMFIT_MEMORY_LIMIT"          # a CPU memory cap, e.g. "6GB" (peak RSS)
 
 
-def parse_bytes(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1024, "MIB": 1024 ** 2,
-             "GIB": 1024 ** 3, "TIB": 1024 ** 4}
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
-    try:
-        return int(float(num) * units[unit])
-    except (ValueError, KeyError):
-        raise MemfitError(f"{LIMIT_ENV}={text!r}: give a size such as 6GB, 512MB or 8GiB") from None
+class MemoryLimitExceeded(RuntimeError):
+    """The configured memory cap was crossed (treated like an out-of-memory error by --fallback)."""
+
+
+def memory_guard(limit: Optional[int], inject_at: Optional[int]):
+    """A TrainerCallback: raise :class:`MemoryLimitExceeded` when the peak RSS crosses ``limit`` (after
+    every micro-step), and an injected ``torch.OutOfMemoryError`` at step ``inject_at`` (drills, tests)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from memfit.train.callbacks import peak_rss_bytes
+
+    class MemoryGuard(TrainerCallback):
+        def _check(self, state: Any) -> None:
+            if limit is not None and peak_rss_bytes() > limit:
+                raise MemoryLimitExceeded(f"peak RSS {peak_rss_bytes() / 1e9:.3f} GB crossed the memory limit "
+                                          f"{limit / 1e9:.3f} GB at step {state.global_step + 1}")
+
+        def on_step_begin(self, args, state, control, **kw):
+            if inject_at is not None and state.global_step + 1 == inject_at:
+                raise torch.OutOfMemoryError(f"injected out-of-memory at step {inject_at} (test drill)")
+
+        def on_substep_end(self, args, state, control, **kw):
+            self._check(state)
+
+        def on_step_end(self, args, state, control, **kw):
+            self._check(state)
+
+    return MemoryGuard()
 
 
 # --------------------------------------------------------------------------- the ladder
@@ -87,43 +106,40 @@ def ladder(run: Any) -> list[tuple[str, Any]]:
 
 
 def _ranked(run: Any, options: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The planner's order where the estimator exists: lighter than the failed plan, fastest first."""
-    try:
-        from memfit.estimate import estimate
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
+    """The planner's order: lighter than the failed plan (fastest first), then the rest (lightest first).
+    A model the estimator cannot read (a ConfigError) keeps the fixed order; estimator bugs propagate."""
+    from memfit.estimate import estimate
+    from memfit.resolve import resolve
 
-        model = resolve_model(run.model)
-        hw = parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-        now = estimate(model, hw, run.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
-        lighter, others = [], []
-        for i, (why, st) in enumerate(options):
-            d = estimate(model, hw, st).to_dict()
-            mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
-            if mem < now:
-                lighter.append((secs, i, why, st))
-            else:  # the estimate says it will not help; the estimate can be wrong: try it last
-                others.append((mem, i, why, st))
-        return [(why, st) for _, _, why, st in sorted(lighter) + sorted(others)]
-    except Exception:  # estimator absent or unable: keep the fixed order
-        pass
-    return options
+    try:
+        r = resolve(run)
+    except MemfitError:
+        return options
+    now = estimate(r.model, r.hardware, r.strategy).to_dict()["memory"]["gpu_bytes"]["total"]
+    lighter, others = [], []
+    for i, (why, st) in enumerate(options):
+        d = estimate(r.model, r.hardware, st).to_dict()
+        mem, secs = d["memory"]["gpu_bytes"]["total"], d["time"]["step_seconds"]
+        if mem < now:
+            lighter.append((secs, i, why, st))
+        else:  # the estimate says it will not help; the estimate can be wrong: try it last
+            others.append((mem, i, why, st))
+    return [(why, st) for _, _, why, st in sorted(lighter) + sorted(others)]
 
 
 def next_plan(run: Any) -> Optional[tuple[str, Any]]:
     """The next lighter strategy after ``run`` failed, or None when the ladder is exhausted."""
+    from memfit.plan.rules import check
+    from memfit.resolve import resolve
     from memfit.spec.run import run_from_dict
 
     options = _ranked(run, ladder(run))
     try:
-        from memfit.plan.rules import check
-        from memfit.spec.hardware import parse_hardware
-        from memfit.spec.model import resolve_model
-
-        model, hw = resolve_model(run.model), parse_hardware(run.hardware, cpu_ram=run.cpu_ram)
-        options = [(why, st) for why, st in options if not check(model, hw, st)]
-    except Exception:
-        pass
+        r = resolve(run)
+    except MemfitError:
+        r = None
+    if r is not None:
+        options = [(why, st) for why, st in options if not check(r.model, r.hardware, st)]
     if not options:
         return None
     why, st = options[0]
@@ -135,8 +151,6 @@ def next_plan(run: Any) -> Optional[tuple[str, Any]]:
 # --------------------------------------------------------------------------- attempts
 def _is_oom(err: BaseException) -> bool:
     import torch
-
-    from memfit.measure.callback import MemoryLimitExceeded
 
     if isinstance(err, (torch.OutOfMemoryError, MemoryLimitExceeded)):
         return True
@@ -162,31 +176,23 @@ def _latest_step(out: Path) -> Optional[tuple[int, str]]:
 
 
 def _write_log(out: Path, log: dict[str, Any]) -> None:
-    from memfit.measure.callback import write_json_atomic
+    from memfit.train.api import _write_json_atomic
 
-    write_json_atomic(log, out / FALLBACK_LOG)
-
-
-def _guard(limit: Optional[int], inject_at: Optional[int]):
-    from memfit.measure.callback import ProbeCallback
-
-    # warmup beyond any step: the probe never runs, only the cap and the injection
-    return ProbeCallback(warmup=10 ** 9, steps=1, memory_limit_bytes=limit, inject_oom_at=inject_at)
+    _write_json_atomic(log, out / FALLBACK_LOG)
 
 
 def _attempt_single(run: Any, resume: bool, callbacks: Sequence, limit: Optional[int],
                     inject_at: Optional[int]):
     from memfit.train.api import train
 
-    return train(run, callbacks=[*callbacks, _guard(limit, inject_at)], resume=resume)
+    return train(run, callbacks=[*callbacks, memory_guard(limit, inject_at)], resume=resume)
 
 
 def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Optional[int], out: Path):
     """One attempt under torchrun; returns None on success, or the error text of an OOM'd rank."""
     import subprocess
-    import sys
 
-    from memfit.measure.runner import _free_port
+    from memfit.distributed.launch import torchrun_command
     from memfit.spec.run import save_run
 
     markers = out / MARKER_DIR
@@ -197,9 +203,7 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
     spec = {"run_path": str(run_path), "resume": resume, "limit": limit, "inject_at": inject_at,
             "markers": str(markers)}
     (markers / "attempt.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.distributed.nproc}",
-           f"--master_port={_free_port()}", "-m", "memfit.measure.fallback_worker",
-           str(markers / "attempt.json")]
+    cmd = torchrun_command("memfit.train.fallback_worker", [markers / "attempt.json"], nproc=run.distributed.nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     ooms = [json.loads(p.read_text()) for p in sorted(markers.glob("oom-rank*.json"))]
     if ooms:
@@ -218,7 +222,9 @@ def train_with_fallback(run: Any, *, run_path: Optional[str] = None, overrides: 
     out = Path(run.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if memory_limit is None and os.environ.get(LIMIT_ENV):
-        memory_limit = parse_bytes(os.environ[LIMIT_ENV])
+        from memfit.spec.hardware import parse_size  # 6GB, 512MB, 8GiB
+
+        memory_limit = parse_size(os.environ[LIMIT_ENV], LIMIT_ENV)
     if inject_oom_at is None and os.environ.get(INJECT_ENV):
         inject_oom_at = int(os.environ[INJECT_ENV])
     log: dict[str, Any] = {"run_file": run_path, "overrides": list(overrides), "memory_limit": memory_limit,

@@ -1,11 +1,11 @@
 """Run several strategies one after another in one process group and record what each rank saw.
 
-``python -m memfit.distributed.matrix BASE.yaml CASES.json OUT.json`` (under torchrun, or alone for the
+``python -m memfit.measure.engine_matrix BASE.yaml CASES.json OUT.json`` (under torchrun, or alone for the
 single-process reference). CASES.json is a list of ``{"name": str, "set": [KEY=VALUE, ...],
 "resume": bool, "dir": str}``; each case is a ``memfit.train`` run of BASE with those overrides, its
 output in ``<output_dir>/<dir or name>`` (a resumed case names the folder of the case it continues).
 OUT.json (written by rank 0, atomically, after every case) maps each name to its logged losses, the
-saved adapter/model folder and every rank's model-state bytes (:mod:`memfit.distributed.memory`).
+saved adapter/model folder and every rank's model-state bytes (:mod:`memfit.measure.rank_state`).
 
 The CI test of the engines (tests/test_distributed_train.py) and bench/distributed_memory.py use it:
 starting Python, torch and the process group once for many runs keeps them within their time budget.
@@ -24,7 +24,7 @@ from typing import Any
 def _state_callback():
     from transformers import TrainerCallback
 
-    from memfit.distributed.memory import rank_state_bytes
+    from memfit.measure.rank_state import rank_state_bytes
 
     class RankState(TrainerCallback):
         """Model-state bytes of this rank after the newest optimizer step."""
@@ -83,14 +83,15 @@ def run_case(base: Path, case: dict, world: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 3:
-        print("usage: python -m memfit.distributed.matrix BASE.yaml CASES.json OUT.json", file=sys.stderr)
+        print("usage: python -m memfit.measure.engine_matrix BASE.yaml CASES.json OUT.json", file=sys.stderr)
         return 2
     from memfit.train.quiet import quiet_libraries
 
     quiet_libraries()
     base, cases, out = Path(argv[0]), json.loads(Path(argv[1]).read_text()), Path(argv[2])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    from memfit.distributed.ranks import rank_info
+
+    rank, _, world = rank_info()
     results: dict[str, Any] = {}
     for case in cases:
         results[case["name"]] = run_case(base, case, world)

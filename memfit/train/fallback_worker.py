@@ -1,4 +1,4 @@
-"""One rank of a multi-process ``--fallback`` attempt (started by torchrun from memfit.measure.fallback).
+"""One rank of a multi-process ``--fallback`` attempt (started by torchrun from memfit.train.fallback).
 
 It trains the attempt's run file; when this rank runs out of memory it writes ``oom-rank{N}.json`` in the
 marker folder before exiting non-zero, so the orchestrator can tell an OOM from any other failure.
@@ -13,9 +13,10 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    from memfit.measure.callback import process_rank, write_json_atomic
-    from memfit.measure.fallback import _attempt_single, _is_oom
     from memfit.spec.run import load_run
+    from memfit.distributed.ranks import rank_info
+    from memfit.train.api import _write_json_atomic
+    from memfit.train.fallback import _attempt_single, _is_oom
 
     run = load_run(spec["run_path"])
     try:
@@ -23,8 +24,9 @@ def main(argv: list[str]) -> int:
     except BaseException as err:  # noqa: BLE001
         if not _is_oom(err):
             raise
-        write_json_atomic({"rank": process_rank(), "error": f"{type(err).__name__}: {err}"[:300]},
-                          Path(spec["markers"]) / f"oom-rank{process_rank()}.json")
+        rank = rank_info()[0]
+        _write_json_atomic({"rank": rank, "error": f"{type(err).__name__}: {err}"[:300]},
+                           Path(spec["markers"]) / f"oom-rank{rank}.json")
         return 3
     return 0
 

@@ -1,0 +1,71 @@
+"""QLoRA: LoRA over a base quantized to 4-bit NF4 by bitsandbytes (double quantization optional)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from memfit.errors import IncompatibleError
+from memfit.methods.base import GC_KWARGS, enable_checkpointing
+from memfit.methods.lora import Lora
+
+# The dtype FSDP / ZeRO-3 flatten parameters to, per precision: QLoRA's quant storage must equal it.
+PARAM_DTYPE = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+
+
+class QLora(Lora):
+    name = family = "qlora"
+    fields = (*Lora.fields, "quant_storage", "double_quant")
+    traced = False  # bitsandbytes kernels have no FakeTensor support
+
+    def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
+        s = strategy
+        out = super().rules(model, hardware, s)
+        sharded = s.zero_stage == 3 or s.fsdp in ("full_shard", "shard_grad_op")
+        want = PARAM_DTYPE[s.precision]
+        if sharded and s.quant_storage != want:
+            engine = "ZeRO-3" if s.zero_stage == 3 else f"FSDP {s.fsdp}"
+            out.append(f"method=qlora with {engine}: the 4-bit weights must be stored in the dtype the engine "
+                       f"flattens parameters to ({want} for precision={s.precision}), got "
+                       f"quant_storage={s.quant_storage}; set quant_storage={want}")
+        elif s.zero_stage == 3 and s.offload == "optimizer+params":
+            out.append("method=qlora with ZeRO-3 parameter offload: DeepSpeed cannot offload bitsandbytes 4-bit "
+                       "parameters; use fsdp=full_shard with offload=optimizer+params, or offload=optimizer")
+        return out
+
+    def load_kwargs(self, run: Any, compute_dtype: Any, engine: Any, local_rank: int, cuda: bool,
+                    notes: list[str]) -> dict[str, Any]:
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        s = run.strategy
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise IncompatibleError("strategy.method=qlora needs bitsandbytes (pip install bitsandbytes) or "
+                                    "use method=lora")
+        storage = {"uint8": torch.uint8, "bf16": torch.bfloat16, "fp16": torch.float16,
+                   "fp32": torch.float32}[s.quant_storage]
+        if not cuda:
+            notes.append("qlora on CPU: bitsandbytes NF4 CPU kernels (slow, for testing the path)")
+        kwargs: dict[str, Any] = {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=s.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)}
+        if cuda and not engine.flattens_parameters:
+            # FSDP / ZeRO-3 place the shards themselves (rank-0 loading / zero.Init); no device_map
+            kwargs["device_map"] = {"": local_rank}
+        return kwargs
+
+    def prepare_base(self, model: Any, run: Any, engine: Any) -> Any:
+        if engine.flattens_parameters:
+            # ZeRO-3 / FSDP flatten parameters of one dtype: no k-bit preparation (it upcasts norms and
+            # embeddings to fp32), only what it would do that sharded QLoRA still needs
+            if run.strategy.gradient_checkpointing:
+                enable_checkpointing(model)
+            model.enable_input_require_grads()
+            return model
+        from peft import prepare_model_for_kbit_training
+
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=run.strategy.gradient_checkpointing,
+                                               gradient_checkpointing_kwargs=GC_KWARGS)
+
+
+METHOD = QLora()
