@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--gpu-check", type=Path, action="append", default=None,
                     help="also compare memfit's own trainer measured by bench/gpu_check.py (its JSON; default: "
-                         "bench/results/gpu_check_*.json when present)")
+                         "bench/results/gpu_check_*.json when present and --file is the default)")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
     ap.add_argument("--write-accuracy", type=Path, nargs="?", const=ACCURACY_FILE, default=None,
@@ -334,8 +334,10 @@ def main(argv=None) -> int:
         print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
         return 2
     cases, skipped = load(args.file)
-    checks = args.gpu_check if args.gpu_check is not None else sorted(
-        p for p in (HERE / "results").glob("gpu_check_*.json") if "categories" not in p.name)
+    checks = args.gpu_check
+    if checks is None:  # memfit's own GPU check joins the published file it was fitted with, not another
+        checks = sorted(p for p in (HERE / "results").glob("gpu_check_*.json") if "categories" not in p.name) \
+            if args.file == DEFAULT_FILE else []
     for path in checks:
         cases += load_gpu_check(Path(path))
     results = [predict(c) for c in cases]
