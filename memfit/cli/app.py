@@ -49,8 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # TrainingInterrupted says the step, checkpoint and how to resume
+        print(str(err) or "interrupted", file=sys.stderr)
         sys.exit(130)
 
 

@@ -204,13 +204,9 @@ def shutdown() -> None:
 
 
 def _write_atomic(text: str, path: Path) -> None:
-    import tempfile
+    from memfit.io import write_text
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    write_text(path, text)
 
 
 def write_engine_configs(run: RunSpec, output_dir: Path) -> list[Path]:
@@ -282,7 +278,7 @@ def save_trained(trainer: Any, run: RunSpec, tokenizer: Any, out: Path) -> Optio
     """
     import torch.distributed as dist
 
-    from memfit.train.checkpoint import atomic_dir
+    from memfit.io import atomic_dir
 
     if run.strategy.method not in ("lora", "qlora", "full"):
         return None
@@ -294,7 +290,8 @@ def save_trained(trainer: Any, run: RunSpec, tokenizer: Any, out: Path) -> Optio
         state_dict = {k: v.detach().cpu() for k, v in state_dict.items()}
         with atomic_dir(dst) as tmp:
             model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
+            if tokenizer is not None:  # measure trains on token ids, without one
+                tokenizer.save_pretrained(str(tmp))
         saved = dst
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

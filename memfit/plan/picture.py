@@ -6,14 +6,11 @@ The image is written to a temporary name and moved into place, so a half-written
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.plan import facts
-from memfit.plan.emit import default_mode
 from memfit.plan.matrix import NO_FIT, Matrix
 
 NO_FIT_COLOUR = "#d9d9d9"
@@ -82,15 +79,11 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    os.close(fd)
+    from memfit.io import atomic_file
+
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
+        with atomic_file(path, "picture") as tmp:
+            fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
+
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from memfit.errors import MemfitError
+from memfit.io import atomic_dir, replace_dir  # noqa: F401 - atomic_dir re-exported
 
 STAGING = ".staging"
 PREFIX = "checkpoint-"
@@ -32,32 +32,6 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place; an existing ``dst`` is swapped out first, then removed."""
-    src, dst = Path(src), Path(dst)
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextmanager
-def atomic_dir(dst: Path) -> Iterator[Path]:
-    """Yield a temporary folder next to ``dst``; on success it becomes ``dst``, on error it is removed."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
-    try:
-        yield tmp
-        replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 class AtomicCheckpointMixin:

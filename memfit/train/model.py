@@ -43,8 +43,13 @@ def resolve_model_dir(name: str) -> Path:
     if p.is_file() and p.name == "config.json":
         p = p.parent
     if not p.is_dir():
-        hint = ("it looks like a preset name: presets hold architecture numbers only (for planning), "
-                "no weights" if os.sep not in name and not p.suffix else "no such folder")
+        if p.is_file():
+            hint = "it is a file, not a folder"
+        elif os.sep not in name and not p.suffix:
+            hint = ("it looks like a preset name: presets hold architecture numbers only (for planning), "
+                    "no weights")
+        else:
+            hint = "no such folder"
         raise ConfigError(f"model: '{name}' is not a local model folder ({hint}); memfit train needs a "
                           "folder with config.json and weights (*.safetensors), e.g. one written by "
                           "save_pretrained, or run `memfit demo` for the embedded tiny model")
@@ -166,26 +171,52 @@ def meft_config(run):
                            n_probe=s.meft_n_probe)
 
 
-def build_model(run, local_rank: int = 0):
-    """(model ready for Trainer, tokenizer, ModelInfo) for ``run`` (a RunSpec)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
 
-    s = run.strategy
-    path = resolve_model_dir(run.model)
-    notes: list[str] = []
-    cfg = json.loads((path / "config.json").read_text())
-    max_pos = cfg.get("max_position_embeddings")
-    if max_pos and s.seq_len > max_pos:
-        raise ConfigError(f"strategy.seq_len={s.seq_len} is above the model's max_position_embeddings="
-                          f"{max_pos}; use --set strategy.seq_len={max_pos} or less")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model: {path} has no usable tokenizer ({str(err).splitlines()[0]}); save one "
                           "with tokenizer.save_pretrained into the folder") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load(auto_cls, path: Path, kwargs: dict):
+    """from_pretrained; a damaged folder (config values of the wrong kind, corrupt or empty weights) is
+    one ConfigError line."""
+    try:
+        return auto_cls.from_pretrained(str(path), **kwargs)
+    except (ValueError, TypeError, KeyError, OSError, AttributeError) as err:
+        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
+    except Exception as err:  # noqa: BLE001 - safetensors' own error type for a corrupt file
+        if type(err).__name__ != "SafetensorError":
+            raise
+        why = f"corrupt weights file: {str(err).splitlines()[0][:200]}"
+    raise ConfigError(f"model: {path} cannot be loaded ({why}); check config.json and the *.safetensors "
+                      "files (write them with save_pretrained)") from None
+
+
+def build_model(run, local_rank: int = 0, tokenizer: bool = True):
+    """(model ready for Trainer, tokenizer or None, ModelInfo) for ``run`` (a RunSpec)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    s = run.strategy
+    path = resolve_model_dir(run.model)
+    notes: list[str] = []
+    from memfit.spec.model import read_config
+
+    cfg = read_config(path / "config.json")
+    max_pos = cfg.get("max_position_embeddings")
+    if max_pos is not None and (not isinstance(max_pos, int) or isinstance(max_pos, bool)):
+        raise ConfigError(f"{path / 'config.json'}: max_position_embeddings must be an integer, got {max_pos!r}")
+    if max_pos and s.seq_len > max_pos:
+        raise ConfigError(f"strategy.seq_len={s.seq_len} is above the model's max_position_embeddings="
+                          f"{max_pos}; use --set strategy.seq_len={max_pos} or less")
+    tokenizer = load_tokenizer(path) if tokenizer else None
     load_dtype, compute_dtype = _dtypes(run)
     attention = choose_attention(s.attention, notes)
     kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention, local_files_only=True)
@@ -194,7 +225,7 @@ def build_model(run, local_rank: int = 0):
         if _on_cuda() and not (run.strategy.fsdp or run.strategy.zero_stage == 3):
             # FSDP / ZeRO-3 place the shards themselves (rank-0 loading / zero.Init); no device_map
             kwargs["device_map"] = {"": local_rank}
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = _load(AutoModelForCausalLM, path, kwargs)
     model.config.use_cache = False
 
     targets: list[str] = []
