@@ -16,6 +16,6 @@ class IncompatibleError(MemfitError):
     """A combination of levers that the hardware or the engines cannot run."""
 
 
-class TrainingInterrupted(KeyboardInterrupt):
+class TrainingInterrupted(BaseException):
     """Ctrl-C during training; the message says the step, the last checkpoint and how to resume.
     The CLI prints it on one line and exits 130."""

@@ -71,10 +71,10 @@ class RunSpec(BaseModel):
     distributed: DistributedSpec = DistributedSpec()
     output_dir: str = Field("runs/memfit", description="folder for the run's files")
 
-    @field_validator("output_dir")
+    @field_validator("output_dir", mode="before")
     @classmethod
-    def _output_dir_given(cls, v: str) -> str:
-        if not v.strip():
+    def _output_dir_given(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, str) and not v.strip()):
             raise ValueError("empty; give a folder for the run's files, e.g. --set output_dir=runs/my-run")
         return v
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, TrainingInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as err:
+    except (KeyboardInterrupt, TrainingInterrupted) as err:
         print(str(err) or "interrupted", file=sys.stderr)
         return 130
     if main_rank:

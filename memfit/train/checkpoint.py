@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from memfit.errors import MemfitError
-from memfit.io import atomic_dir, replace_dir  # noqa: F401 - atomic_dir re-exported
+from memfit.io import WriteError, atomic_dir, reason, replace_dir  # noqa: F401 - atomic_dir re-exported
 
 STAGING = ".staging"
 PREFIX = "checkpoint-"
@@ -32,6 +32,20 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    """An OS write failure, also as torch.save reports it (a RuntimeError from its zip writer)."""
+    if isinstance(err, OSError):
+        return True
+    text = str(err).lower()
+    return "no space left" in text or "file write failed" in text or "unexpected pos" in text
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, OSError):
+        return reason(err)
+    return "no space left on device" if "space" in str(err).lower() else str(err).splitlines()[0][:160]
 
 
 class AtomicCheckpointMixin:
@@ -53,6 +67,14 @@ class AtomicCheckpointMixin:
         self._memfit_staging = True
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as err:
+            if not _is_write_failure(err):
+                raise
+            shutil.rmtree(run_dir / STAGING, ignore_errors=True)  # no half-written checkpoint left
+            found = checkpoints(run_dir)
+            kept = f"the last checkpoint {found[-1]} is kept" if found else "no earlier checkpoint exists"
+            raise WriteError(f"cannot write checkpoint {name} in {run_dir}: {_why(err)}; {kept} "
+                             "(free space, then continue with --resume)") from None
         finally:
             self._memfit_staging = False
         _barrier()  # every rank has written its part

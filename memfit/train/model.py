@@ -176,9 +176,11 @@ def load_tokenizer(path: Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"model: {path} has no usable tokenizer ({str(err).splitlines()[0]}); save one "
-                          "with tokenizer.save_pretrained into the folder") from None
+    except Exception as err:  # noqa: BLE001 - narrowed by _damaged
+        if not _damaged(err):
+            raise
+        raise ConfigError(f"model: {path} has no usable tokenizer or config ({_first_line(err)}); save "
+                          "them with save_pretrained into the folder") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -189,14 +191,31 @@ def _load(auto_cls, path: Path, kwargs: dict):
     one ConfigError line."""
     try:
         return auto_cls.from_pretrained(str(path), **kwargs)
-    except (ValueError, TypeError, KeyError, OSError, AttributeError) as err:
-        why = (str(err).splitlines() or [type(err).__name__])[0][:200]
-    except Exception as err:  # noqa: BLE001 - safetensors' own error type for a corrupt file
-        if type(err).__name__ != "SafetensorError":
+    except Exception as err:  # noqa: BLE001 - narrowed by _damaged
+        if not _damaged(err):
             raise
-        why = f"corrupt weights file: {str(err).splitlines()[0][:200]}"
+        why = _first_line(err)
     raise ConfigError(f"model: {path} cannot be loaded ({why}); check config.json and the *.safetensors "
                       "files (write them with save_pretrained)") from None
+
+
+# errors of a damaged model folder: config values of the wrong kind (huggingface_hub's strict
+# dataclasses), corrupt or empty safetensors, missing files. Out-of-memory and bugs are not among them.
+_DAMAGED_NAMES = {"SafetensorError", "StrictDataclassError", "StrictDataclassFieldValidationError",
+                  "StrictDataclassClassValidationError", "HeaderTooLarge", "HeaderTooSmall"}
+
+
+def _damaged(err: BaseException) -> bool:
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    return isinstance(err, (ValueError, TypeError, KeyError, OSError, AttributeError)) or \
+        any(c.__name__ in _DAMAGED_NAMES for c in type(err).__mro__)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def build_model(run, local_rank: int = 0, tokenizer: bool = True):

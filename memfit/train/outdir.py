@@ -4,8 +4,9 @@
   (continue it) or ``--overwrite`` (its memfit files are removed before the new run writes any), so a
   folder never mixes two runs' files.
 * ``--resume`` of a run that already reached its ``max_steps`` does nothing and says so.
-* A lock (``flock`` on ``.memfit.lock``, released by the kernel when the process dies, so a killed run
-  never leaves it stuck) makes a second run into the same folder refuse while the first is writing.
+* A lock (``flock`` on the folder itself: no lock file, and the kernel releases it when the process
+  dies, so a killed run never leaves it stuck) makes a second run into the same folder refuse while the
+  first is writing.
 * A folder this run created is removed again if the run is refused before it trained.
 """
 
@@ -20,7 +21,6 @@ from typing import Optional
 from memfit.errors import ConfigError, MemfitError
 from memfit.io import make_dir, write_error
 
-LOCK_FILE = ".memfit.lock"
 SUMMARY_FILE = "summary.json"
 # what a memfit run writes into its folder (removed by --overwrite; nothing else is touched)
 RUN_FILES = ("summary.json", "metrics.jsonl", "run.yaml", "deepspeed.json", "accelerate.yaml",
@@ -63,6 +63,7 @@ def check_reuse(out: Path, run, *, resume: bool, overwrite: bool, has_checkpoint
         return None
     summary = finished_summary(out)
     if resume:
+        check_same_shapes(out, run)
         if summary is not None and run.training.epochs is None and \
                 int(summary.get("steps") or 0) >= run.training.max_steps:
             return summary
@@ -74,6 +75,34 @@ def check_reuse(out: Path, run, *, resume: bool, overwrite: bool, has_checkpoint
         raise MemfitError(f"output_dir {out} holds checkpoints of an earlier run; continue it with --resume, "
                           "use another output_dir (--set output_dir=...), or --overwrite to replace it")
     return None
+
+
+# what decides the shapes a checkpoint holds: resuming with another value cannot load it
+SHAPE_KEYS = ("method", "lora_r", "lora_targets", "meft_neurons", "meft_experts", "meft_top_k",
+              "zero_stage", "fsdp", "optimizer")
+
+
+def check_same_shapes(out: Path, run) -> None:
+    """--resume: the run must build the same trained tensors as the one that wrote the checkpoint."""
+    from memfit.spec.run import load_run
+
+    if not (out / "run.yaml").is_file():
+        return
+    try:
+        before = load_run(out / "run.yaml")
+    except MemfitError:
+        return
+    if str(before.model) != str(run.model):
+        raise ConfigError(f"--resume: model changed from {before.model} to {run.model} since the checkpoint "
+                          f"in {out} was written; resume with {out / 'run.yaml'}, or start anew with "
+                          "--overwrite")
+    for key in SHAPE_KEYS:
+        old, new = getattr(before.strategy, key, None), getattr(run.strategy, key, None)
+        if old != new:
+            fmt = (lambda v: ",".join(v) if isinstance(v, (tuple, list)) else v)
+            raise ConfigError(f"--resume: strategy.{key} changed from {fmt(old)} to {fmt(new)} since the "
+                              f"checkpoint in {out} was written, so it cannot be loaded; resume with "
+                              f"strategy.{key}={fmt(old)}, or start anew with --overwrite")
 
 
 def clear_previous(out: Path) -> None:
@@ -88,7 +117,7 @@ def clear_previous(out: Path) -> None:
 
 
 class OutputLock:
-    """Hold ``out`` for one run: ``flock`` on ``out/.memfit.lock`` (non-blocking)."""
+    """Hold ``out`` for one run: a non-blocking ``flock`` on the folder's own descriptor."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -100,9 +129,8 @@ class OutputLock:
 
         self.created = not self.out.exists()
         make_dir(self.out, "output_dir")
-        path = self.out / LOCK_FILE
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(self.out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as err:
             self.release(refused=True)
             raise write_error(err, self.out, "output_dir") from None
@@ -110,12 +138,8 @@ class OutputLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            holder = _read_pid(path)
-            raise MemfitError(f"output_dir {self.out} is in use by another memfit run"
-                              f"{f' (pid {holder})' if holder else ''}; wait for it to finish or use "
-                              "another output_dir (--set output_dir=...)") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            raise MemfitError(f"output_dir {self.out} is in use by another memfit run; wait for it to "
+                              "finish or use another output_dir (--set output_dir=...)") from None
         self._fd = fd
         return self
 
@@ -126,12 +150,5 @@ class OutputLock:
             self._fd = None
         if refused and self.created:
             left = [p.name for p in self.out.iterdir()] if self.out.is_dir() else []
-            if set(left) <= {LOCK_FILE, ".staging"}:
+            if set(left) <= {".staging"}:
                 shutil.rmtree(self.out, ignore_errors=True)
-
-
-def _read_pid(path: Path) -> Optional[str]:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
