@@ -74,6 +74,12 @@ def _broken_models(root: Path, good: Path) -> dict:
     (out["empty_weights"] / "model.safetensors").write_bytes(b"")
     out["no_tokenizer"] = _copy_model(good, root / "no_tokenizer",
                                       skip={"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+    out["empty_tokenizer"] = root / "empty_tokenizer"  # transformers builds a 2-token tokenizer for it
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=128)
+                       ).save_pretrained(out["empty_tokenizer"])
     out["no_config"] = root / "no_config"
     out["no_config"].mkdir()
     return out
@@ -276,10 +282,12 @@ def test_model_folder_mistakes(world, capsys, tmp_path):
         (world["corrupt_weights"], "cannot be loaded"),
         (world["empty_weights"], "cannot be loaded"),
         (world["no_tokenizer"], "tokenizer"),
+        (world["empty_tokenizer"], "model's vocabulary has 400; it is not this model's tokenizer"),
     ]
     for model, needle in cases:
         path = _run_file(world, tmp_path, out=out)
-        _refused(capsys, world, ["train", path, "--overwrite", "--set", f"model={model}"], needle)
+        _refused(capsys, world, ["train", path, "--overwrite", "--set", f"model={model}",
+                                 "--set", "strategy.lora_targets=[all-linear]"], needle)
 
 
 DATA_CASES = [

@@ -52,3 +52,27 @@ def test_a_file_where_a_folder_belongs(tmp_path):
         make_dir(tmp_path / "f", "output_dir")
     with pytest.raises(WriteError, match="a part of the path is a file, not a folder"):
         write_text(tmp_path / "f" / "g" / "run.yaml", "x")
+
+
+def test_read_only_file_system_is_one_line(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def rofs(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", rofs)
+    with pytest.raises(WriteError, match=r"^cannot write output_dir .*/run: read-only file system$"):
+        make_dir(tmp_path / "run", "output_dir")
+
+
+def test_metrics_on_a_full_disk_is_one_line():
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from memfit.train.callbacks import MetricsWriter
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3)
+    with pytest.raises(WriteError, match=r"^cannot write metrics /dev/full: no space left on device$"):
+        MetricsWriter("/dev/full").on_log(None, state, None, logs={"loss": 1.0})
