@@ -379,3 +379,29 @@ def test_demo_mistakes(world, capsys, tmp_path):
     for argv, needle in cases:
         _refused(capsys, world, ["demo", "--json", *argv], needle)
     assert not (tmp_path / "d").exists()
+
+
+def test_demo_nproc_launches_the_processes(world, capsys, tmp_path, monkeypatch):
+    import memfit.distributed.launch as L
+    from memfit.spec.run import load_run
+
+    seen = {}
+
+    def fake_launch(run_path, **kw):
+        seen["run"], seen["kw"] = load_run(run_path), kw
+        return 0
+
+    monkeypatch.setattr(L, "launch", fake_launch)
+    code, _, err = _cli(capsys, ["demo", "--json", "--out", tmp_path / "d", "--nproc", "2",
+                                 "--set", "strategy.zero_stage=3"])
+    assert code == 0, err
+    assert seen["kw"]["nproc"] == 2 and seen["run"].distributed.nproc == 2
+    assert seen["run"].strategy.zero_stage == 3 and seen["run"].output_dir == str(tmp_path / "d")
+    assert not (tmp_path / "d").exists()  # the launched ranks write it, not the parent
+
+
+def test_measure_accepts_gpus_local():
+    from memfit.cli.measure_cmds import _hardware
+
+    assert _hardware(None, False) == "local" and _hardware("local", False) == "local"
+    assert _hardware("2xA100-80GB", True) == "2xA100-80GB"  # --trace-only predicts any pool
