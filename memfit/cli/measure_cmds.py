@@ -35,7 +35,7 @@ def _hardware(gpus: Optional[str], trace_only: bool) -> str:
 
 
 def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], sweeps: list[str],
-          keys: dict[str, Any], hardware: str = "local") -> list[Any]:
+          keys: dict[str, Any], hardware: str = "local", cpu_ram: Optional[str] = None) -> list[Any]:
     """One RunSpec per sweep combination, from a run file or from the estimate-style flags."""
     from memfit.measure.runner import sweep_overrides
     from memfit.spec.run import load_run, run_from_dict
@@ -51,7 +51,8 @@ def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], 
                           "`memfit measure --model DIR --method lora --seq-len 256`")
     if "precision" not in keys:
         keys["precision"] = _local_precision()
-    raw = {"model": model, "hardware": hardware, "strategy": keys, "output_dir": "runs/measure"}
+    raw = {"model": model, "hardware": hardware, "cpu_ram": cpu_ram, "strategy": keys,
+           "output_dir": "runs/measure"}
     return [run_from_dict(raw, overrides + combo, source="memfit measure") for combo in combos]
 
 
@@ -77,6 +78,8 @@ def measure_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Local model folder (with weights)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'local' (measure runs on this machine; "
                                        "another pool only with --trace-only)."),
+    cpu_ram: Optional[str] = typer.Option(None, "--cpu-ram", help="CPU RAM of this node for the prediction, "
+                                          "e.g. 64GB (default: detected)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Micro-batch per process."),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
@@ -109,7 +112,7 @@ def measure_cmd(
         if value is not None:
             keys[name] = value
     runs = _runs(run_file, model, list(overrides or []), list(sweeps or []), keys,
-                 _hardware(gpus, trace_only))
+                 _hardware(gpus, trace_only), cpu_ram)
     prof = None
     if profile is not None:
         from memfit.estimate.constants import Profile

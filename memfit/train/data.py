@@ -141,12 +141,15 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def template_roles(tokenizer) -> tuple[str, ...]:
-    """The roles a chat template names (quoted in its text); the usual four when it names none."""
+    """The usual roles plus any other the chat template compares a message's role with
+    (``message['role'] == 'ipython'``)."""
+    import re
+
     text = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(text, str):
         return CHAT_ROLES
-    named = tuple(r for r in CHAT_ROLES if f"'{r}'" in text or f'"{r}"' in text)
-    return named if "assistant" in named else CHAT_ROLES
+    named = re.findall(r"role['\"]?\]?\s*==\s*['\"]([\w-]+)['\"]", text)
+    return CHAT_ROLES + tuple(dict.fromkeys(r for r in named if r not in CHAT_ROLES))
 
 
 def _check_messages(rec: dict, source: str, roles: tuple[str, ...]) -> None:
