@@ -174,8 +174,16 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False, overwrite: boo
 
 
 def _already_finished(summary: dict, out: Path, run) -> TrainResult:
-    names = {f.name for f in fields(TrainResult)}
-    result = TrainResult(**{k: v for k, v in summary.items() if k in names})
+    from dataclasses import MISSING
+
+    def value(f):  # a summary from another memfit version may lack a field
+        if f.name in summary:
+            return summary[f.name]
+        return f.default_factory() if f.default_factory is not MISSING else \
+            (None if f.default is MISSING else f.default)
+
+    result = TrainResult(**{f.name: value(f) for f in fields(TrainResult)})
+    result.notes = list(result.notes or [])
     result.notes = [*result.notes, f"--resume: the run in {out} already finished at step {result.steps} "
                     f"(max_steps={run.training.max_steps}); nothing trained, nothing written"]
     return result
