@@ -31,7 +31,7 @@ RUN_DIRS = ("adapter", "model", "meft", "runs", ".staging")
 def check_path(out: Path) -> None:
     """A folder path memfit can use (not a file, not under /proc or /sys)."""
     text = str(out).strip()
-    if not text or text == ".":
+    if not text:
         raise ConfigError("output_dir is empty; give a folder for the run's files, e.g. "
                           "--set output_dir=runs/my-run")
     resolved = out.resolve()
