@@ -14,3 +14,8 @@ class ConfigError(MemfitError):
 
 class IncompatibleError(MemfitError):
     """A combination of levers that the hardware or the engines cannot run."""
+
+
+class TrainingInterrupted(BaseException):
+    """Ctrl-C during training; the message says the step, the last checkpoint and how to resume.
+    The CLI prints it on one line and exits 130."""

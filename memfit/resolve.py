@@ -74,8 +74,12 @@ def model_dir(name: str) -> Path:
     if p.is_file() and p.name == "config.json":
         p = p.parent
     if not p.is_dir():
-        hint = ("it looks like a preset name: presets hold architecture numbers only (for planning), "
-                "no weights" if os.sep not in name and not p.suffix else "no such folder")
+        if p.is_file():
+            hint = "it is a file, not a folder"
+        elif os.sep not in name and not p.suffix:
+            hint = "it looks like a preset name: presets hold architecture numbers only (for planning), no weights"
+        else:
+            hint = "no such folder"
         raise ConfigError(f"model: '{name}' is not a local model folder ({hint}); memfit train needs a "
                           "folder with config.json and weights (*.safetensors), e.g. one written by "
                           "save_pretrained, or run `memfit demo` for the embedded tiny model")

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import typer
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, TrainingInterrupted
 
 app = typer.Typer(
     name="memfit",
@@ -43,15 +43,30 @@ _register_commands()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from typer.exceptions import TyperException
+
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        # standalone mode: typer prints usage errors itself and exits 2.
-        app(args=list(argv) if argv is not None else None)
+        rc = app(args=args, prog_name="memfit", standalone_mode=False)
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except TrainingInterrupted as err:  # the step, the last checkpoint and how to resume
+        print(str(err), file=sys.stderr)
+        sys.exit(130)
+    except TyperException as err:  # a bad flag or value: one line, and where the usage is
+        if type(err).__name__ == "NoArgsIsHelpError":
+            app(args=args, prog_name="memfit")  # prints the help, exits 2
+        ctx = getattr(err, "ctx", None)
+        cmd = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        msg = err.format_message() if hasattr(err, "format_message") else str(err)
+        print(f"error: {' '.join(msg.split())}{cmd}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 2))
+    except typer.Abort:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,25 @@ O = "Output"
 R = "Measurement"
 
 
+def _hardware(gpus: Optional[str], trace_only: bool) -> str:
+    """measure runs on this machine: --gpus local (or auto); another pool only for --trace-only."""
+    if gpus is None:
+        return "local"
+    text = gpus.strip()
+    if not text:
+        raise ConfigError("--gpus is empty; memfit measure runs on this machine: give --gpus local "
+                          "(or leave it out)")
+    if text.lower() in ("local", "auto") or trace_only:
+        from memfit.spec.hardware import parse_hardware
+
+        parse_hardware(text)  # a malformed pool is one line here, not later
+        return text
+    raise ConfigError(f"--gpus {gpus}: memfit measure runs here, on this machine, so it cannot measure "
+                      "another pool; use --gpus local, or `memfit estimate --gpus ...` to predict that pool")
+
+
 def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], sweeps: list[str],
-          keys: dict[str, Any]) -> list[Any]:
+          keys: dict[str, Any], hardware: str = "local", cpu_ram: Optional[str] = None) -> list[Any]:
     """One RunSpec per sweep combination, from a run file or from the estimate-style flags."""
     from memfit.measure.runner import sweep_overrides
     from memfit.spec.run import load_run, run_from_dict
@@ -34,7 +51,8 @@ def _runs(run_file: Optional[Path], model: Optional[str], overrides: list[str], 
                           "`memfit measure --model DIR --method lora --seq-len 256`")
     if "precision" not in keys:
         keys["precision"] = _local_precision()
-    raw = {"model": model, "hardware": "local", "strategy": keys, "output_dir": "runs/measure"}
+    raw = {"model": model, "hardware": hardware, "cpu_ram": cpu_ram, "strategy": keys,
+           "output_dir": "runs/measure"}
     return [run_from_dict(raw, overrides + combo, source="memfit measure") for combo in combos]
 
 
@@ -55,6 +73,10 @@ def _label(run: Any, combo_index: int) -> str:
 def measure_cmd(
     run_file: Optional[Path] = typer.Argument(None, help="Run file (YAML); or give --model and strategy flags."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Local model folder (with weights)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="'local' (measure runs on this machine; "
+                                       "another pool only with --trace-only)."),
+    cpu_ram: Optional[str] = typer.Option(None, "--cpu-ram", help="CPU RAM of this node for the prediction, "
+                                          "e.g. 64GB (default: detected)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Micro-batch per process."),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
@@ -86,7 +108,8 @@ def measure_cmd(
     for name, value in (("seq_len", seq_len), ("micro_batch_size", batch_size), ("grad_accum", grad_accum)):
         if value is not None:
             keys[name] = value
-    runs = _runs(run_file, model, list(overrides or []), list(sweeps or []), keys)
+    runs = _runs(run_file, model, list(overrides or []), list(sweeps or []), keys,
+                 _hardware(gpus, trace_only), cpu_ram)
     prof = None
     if profile is not None:
         from memfit.estimate.constants import Profile

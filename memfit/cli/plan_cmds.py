@@ -113,6 +113,8 @@ def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Option
 
     if nodes is not None and nodes < 1:
         raise ConfigError(f"--nodes {nodes}: must be a positive integer")
+    if gpus is not None and not gpus.strip():
+        raise ConfigError("--gpus is empty; give a pool such as 8xA100-80GB or 2x8xV100-32GB, or local")
     spec = resolve_model(model)
     hw = parse_hardware(gpus or "local", cpu_ram=cpu_ram, nodes=nodes)
     return spec, hw, _profile(profile)

@@ -6,8 +6,9 @@ transformers are imported inside the commands only.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import typer
 
@@ -17,19 +18,42 @@ SetOpt = typer.Option(None, "--set", help="Override a run-file key, e.g. --set l
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON only.")
 
 
-def _run_training(run, *, resume: bool, as_json: bool, callbacks: list | None = None):
+def _run_training(run, *, resume: bool, as_json: bool, overwrite: bool = False):
     from memfit.train.quiet import quiet_libraries
 
     quiet_libraries()
     from memfit.train.api import train
     from memfit.train.callbacks import RichProgress
 
-    cbs = list(callbacks or [])
+    cbs = []
     if not as_json:
         from memfit.cli.output import console
 
         cbs.append(RichProgress(console=console))
-    return train(run, callbacks=cbs, resume=resume)
+    try:
+        return train(run, callbacks=cbs, resume=resume, overwrite=overwrite)
+    finally:
+        for cb in cbs:
+            cb.close()  # the bar's hidden cursor comes back after an error or Ctrl-C too
+
+
+@contextmanager
+def _saved(run) -> Iterator[Optional[Path]]:
+    """A run built from flags, as a temporary run file for the launched processes (the output folder is
+    not touched before the run itself checks it); None when ``run`` is None."""
+    if run is None:
+        yield None
+        return
+    import shutil
+    import tempfile
+
+    from memfit.spec.run import save_run
+
+    tmp = Path(tempfile.mkdtemp(prefix="memfit-launch-"))
+    try:
+        yield save_run(run, tmp / "run.yaml")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _show(result, as_json: bool) -> None:
@@ -107,6 +131,8 @@ def train_command(
     fallback: bool = typer.Option(False, "--fallback", help="On out-of-memory, retry with the next plan."),
     loss: Optional[str] = typer.Option(None, "--loss", help="standard | chunked (same as --set "
                                        "strategy.loss=...; chunked: no full [tokens, vocab] logits)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the finished or checkpointed run "
+                                   "in output_dir (its memfit files are removed first)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Fine-tune a model as a run file (or --auto) describes; writes adapter/model, metrics.jsonl, summary."""
@@ -124,32 +150,47 @@ def train_command(
         run = load_run(run_file, overrides)
         run_path = run_file
     d = run.distributed
-    nproc, nodes = nproc or d.nproc, nodes or d.nodes
+    for flag, value in (("--nproc", nproc), ("--nodes", nodes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be 1 or more (processes per node / nodes)")
+    nproc = d.nproc if nproc is None else nproc
+    nodes = d.nodes if nodes is None else nodes
     if (nproc > 1 or nodes > 1) and not fallback:
-        if run_path is None:
-            from memfit.spec.run import save_run
-
-            run_path = save_run(run, Path(run.output_dir) / "run.yaml")
-            overrides = []
         from memfit.distributed.launch import launch
 
-        rc = launch(str(run_path), nproc=nproc, nodes=nodes,
-                    node_rank=d.node_rank if node_rank is None else node_rank,
-                    master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
-                    overrides=overrides, resume=resume)  # rank 0 prints progress and the summary
+        with _saved(run if run_path is None else None) as saved:
+            rc = launch(str(saved or run_path), nproc=nproc, nodes=nodes,
+                        node_rank=d.node_rank if node_rank is None else node_rank,
+                        master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
+                        overrides=overrides if saved is None else [], resume=resume,
+                        overwrite=overwrite)  # rank 0 prints progress and the summary
         raise typer.Exit(int(rc or 0))
     if fallback:
         from memfit.train.fallback import train_with_fallback
 
         result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
     else:
-        result = _run_training(run, resume=resume, as_json=as_json)
+        result = _run_training(run, resume=resume, as_json=as_json, overwrite=overwrite)
     _show(result, as_json)
+
+
+def _earlier_demo(out: Path, model_dir: Path) -> bool:
+    """``out`` holds an earlier demo run (its run file trains the embedded model): replaced without asking."""
+    from memfit.spec.run import load_run
+
+    try:
+        return Path(load_run(out / "run.yaml").model).resolve() == Path(model_dir).resolve()
+    except (MemfitError, OSError):
+        return False
 
 
 def demo_command(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Folder for the adapter, metrics and run file."),
     overrides: Optional[List[str]] = SetOpt,
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes on this node; >1 launches torchrun "
+                                        "(e.g. --nproc 2 --set strategy.zero_stage=3)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace another run in --out (an earlier "
+                                   "demo run there is always replaced)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """The main job, offline: plan this machine, train the embedded tiny Llama on dialogue → summary data."""
@@ -164,7 +205,15 @@ def demo_command(
     status = err_console if as_json else console
     with status.status(f"preparing the embedded model and data in {demo_cache_dir()} ..."):
         model_dir, data_path = ensure_demo_assets()
+    if nproc is not None:
+        if nproc < 1:
+            raise ConfigError(f"--nproc {nproc}: must be 1 or more (processes on this node)")
+        overrides = [*(overrides or []), f"distributed.nproc={nproc}"]
     run = run_from_dict(demo_run_dict(model_dir, data_path, out), list(overrides or []), source="memfit demo")
+    from memfit.train.outdir import check_path
+
+    check_path(Path(run.output_dir))
+    overwrite = overwrite or _earlier_demo(Path(run.output_dir), model_dir)
     if not as_json:
         console.print(f"model [bold]{model_dir}[/bold] (tiny Llama, random init)  data [bold]{data_path}[/bold]")
         try:
@@ -173,7 +222,13 @@ def demo_command(
             console.print(f"[yellow]plan: {err}[/yellow]")
         console.print(f"training [bold]{run.strategy.label()}[/bold], {run.training.max_steps} steps, "
                       f"seq_len {run.strategy.seq_len}, micro-batch {run.strategy.micro_batch_size}")
-    result = _run_training(run, resume=False, as_json=as_json)
+    if run.distributed.nproc > 1:
+        from memfit.distributed.launch import launch
+
+        with _saved(run) as run_path:
+            rc = launch(str(run_path), nproc=run.distributed.nproc, overwrite=overwrite)
+        raise typer.Exit(int(rc or 0))
+    result = _run_training(run, resume=False, as_json=as_json, overwrite=overwrite)
     _show(result, as_json)
     if not as_json:
         console.print(f"run file: {Path(run.output_dir) / 'run.yaml'}  "

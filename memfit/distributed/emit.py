@@ -5,8 +5,6 @@ files describe the pool the run will be predicted and launched on. Every write i
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,26 +15,10 @@ from memfit.spec.strategy import Strategy
 RUN_FILE = "run.yaml"
 
 
-def default_mode() -> int:
-    """rw for everyone the umask allows (mkstemp's temp files are 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    from memfit.io import write_text
+
+    return write_text(path, text)
 
 
 def run_spec_for(strategy: Strategy, *, model_ref: str, hardware: Any, hardware_ref: Optional[str] = None,

@@ -78,7 +78,7 @@ def torchrun_command(module: str, args: Sequence[str], *, nproc: int, nodes: int
 
 def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
                    master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-                   resume: bool = False, python: Optional[str] = None) -> list[str]:
+                   resume: bool = False, overwrite: bool = False, python: Optional[str] = None) -> list[str]:
     """The torchrun command line this node runs (what :func:`launch` executes)."""
     check_layout(nproc, nodes, node_rank, master_addr, master_port)
     cmd = torchrun_command("memfit.train", [str(run_path)], nproc=nproc, nodes=nodes, node_rank=node_rank,
@@ -87,6 +87,8 @@ def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_ran
         cmd += ["--set", item]
     if resume:
         cmd.append("--resume")
+    if overwrite:
+        cmd.append("--overwrite")
     return cmd
 
 
@@ -101,7 +103,8 @@ def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[st
 
 def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-           resume: bool = False, on_start: Optional[Callable[[Any], None]] = None) -> int:
+           resume: bool = False, overwrite: bool = False,
+           on_start: Optional[Callable[[Any], None]] = None) -> int:
     """Run this node's share of the training with torchrun; returns its exit status (0 = all ranks ok).
 
     The run file, the overrides and what can be checked without torch (:func:`~memfit.distributed.
@@ -121,7 +124,7 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
         raise IncompatibleError(f"{run_path}: strategy {run.strategy.label()} cannot run here: "
                                 + "; ".join(problems))
     cmd = launch_command(run_path, nproc=nproc, nodes=nodes, node_rank=node_rank, master_addr=master_addr,
-                         master_port=master_port, overrides=overrides, resume=resume)
+                         master_port=master_port, overrides=overrides, resume=resume, overwrite=overwrite)
     if on_start is not None:
         on_start(run)
     try:

@@ -8,8 +8,6 @@ All values are plain floats (flags are 0.0/1.0) with a one-line comment giving w
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -144,15 +142,10 @@ class Profile:
         return cls.from_dict(raw, source=str(path))
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (temp file + os.replace)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-        return path
+        """Write atomically (memfit.io: temp file + rename, umask permissions)."""
+        from memfit.io import write_json
+
+        return write_json(path, self.to_dict(), "profile")
 
 
 DEFAULT_PROFILE = Profile()

@@ -8,10 +8,8 @@ training ends; the runner merges them.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import TrainerCallback
 
+from memfit.errors import MemfitError
 from memfit.measure import probe as P
 
 
@@ -36,18 +35,15 @@ def _device_of(model: Any) -> str:
 
 
 def write_json_atomic(obj: Any, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2)
-    os.replace(tmp, path)
-    return path
+    from memfit.io import write_json
+
+    return write_json(path, obj)
 
 
 class ProbeCallback(TrainerCallback):
     def __init__(self, *, warmup: int = 1, steps: int = 3, out_path: Optional[str] = None,
-                 logits_bytes: Optional[Callable[[int], bool]] = None, categories: bool = True) -> None:
+                 logits_bytes: Optional[Callable[[int], bool]] = None, categories: bool = True,
+                 expect_shape: Optional[tuple[int, int]] = None) -> None:
         self.warmup, self.steps = warmup, steps
         self.out_path = out_path
         self.logits_bytes = logits_bytes
@@ -62,6 +58,9 @@ class ProbeCallback(TrainerCallback):
         self._rss_peak = 0
         self._context: Optional[int] = None
         self._done = False
+        self.expect_shape = tuple(expect_shape) if expect_shape else None
+        self._shapes: list[tuple[int, ...]] = []
+        self._hook = None
 
     # --------------------------------------------------------------- helpers
     def _baseline(self) -> dict[str, list]:
@@ -79,9 +78,29 @@ class ProbeCallback(TrainerCallback):
     def _measuring(self, step: int) -> bool:
         return self.warmup <= step < self.warmup + self.steps
 
+    def _record_shape(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if torch.is_tensor(ids):
+            self._shapes.append(tuple(ids.shape))
+
+    def _check_shapes(self, step: int) -> None:
+        """Every forward of the step had the planned (micro_batch, seq_len), or the figure is not of the
+        planned run: fail loudly rather than report it."""
+        if self.expect_shape is None:
+            return
+        shapes, self._shapes = self._shapes, []
+        bad = [s for s in shapes if s != self.expect_shape]
+        if bad or not shapes:
+            got = bad[0] if bad else "no forward pass seen"
+            raise MemfitError(f"step {step + 1} ran input_ids of shape {got}, not the planned "
+                              f"(micro_batch, seq_len) = {self.expect_shape}; its memory would not be "
+                              "of the planned run, so nothing is reported")
+
     # --------------------------------------------------------------- events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
         self._model, self._optimizer = model, optimizer
+        if self.expect_shape is not None and model is not None and self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._record_shape, with_kwargs=True)
         if torch.cuda.is_available() and model is not None and _device_of(model).startswith("cuda"):
             self._context = P.cuda_context_bytes(torch.device(_device_of(model)))
 
@@ -100,6 +119,7 @@ class ProbeCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step - 1  # the step that just finished (0-based)
+        self._check_shapes(step)
         if not self._measuring(step):
             return
         if torch.cuda.is_available():
@@ -118,6 +138,9 @@ class ProbeCallback(TrainerCallback):
             self._done = True
 
     def on_train_end(self, args, state, control, **kw):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.out_path and self._probe_result is not None:
             path = Path(self.out_path.replace("{rank}", str(process_rank())))
             write_json_atomic(self.result(), path)

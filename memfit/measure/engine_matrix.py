@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +57,9 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _write(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2)
-    os.replace(tmp, path)
+    from memfit.io import write_json
+
+    write_json(path, obj)
 
 
 def run_case(base: Path, case: dict, world: int) -> dict:

@@ -266,14 +266,9 @@ def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
 
 def save_record(record: dict[str, Any], out_dir: Path, name: str) -> Path:
     """Write one measurement as ``out_dir/name.json`` (atomically) for ``memfit calibrate --runs``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(record, fh, indent=2)
-    os.replace(tmp, path)
-    return path
+    from memfit.io import write_json
+
+    return write_json(Path(out_dir) / f"{name}.json", record, "measurement")
 
 
 def measure_many(runs: list[Any], on_done: Optional[Callable[[int, dict], None]] = None,

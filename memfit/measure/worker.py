@@ -2,14 +2,15 @@
 
 SPEC holds the run (a RunSpec as a dict), warm-up and measured step counts and where each rank writes
 its figures. The worker trains the run through memfit's own trainer (``memfit.train.api.train``) with
-the probe attached as a callback, on synthetic text whose every sequence is exactly ``seq_len`` tokens
-(so the measured shapes are the planned shapes), for ``warmup + steps`` optimizer steps, no checkpoints.
+the probe attached as a callback, on random token ids (within the model's vocabulary) of exactly
+``micro_batch × seq_len`` per micro-step, for ``warmup + steps`` optimizer steps, no checkpoints. No
+tokenizer is involved (a model folder without one measures the same shapes); the probe asserts every step
+ran the planned shapes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -38,6 +39,22 @@ def vocab_size_of(model_path: str) -> Optional[int]:
     return int(v) if v else None
 
 
+def synthetic_token_data(n: int, seq_len: int, vocab: int, seed: int = 0):
+    """(train_ds, None, DataReport): ``n`` rows of exactly ``seq_len`` random ids in ``[0, vocab)``."""
+    from datasets import Dataset
+
+    from memfit.train.data import DataReport
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(vocab) for _ in range(seq_len)]
+        rows.append({"input_ids": ids, "labels": ids})
+    report = DataReport(source="synthetic token ids", format="token_ids", examples=n, train_examples=n,
+                        train_tokens=n * seq_len)
+    return Dataset.from_list(rows), None, report
+
+
 def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int,
                      loss: str = "standard") -> Optional[Callable[[int], bool]]:
     """True for a tensor whose byte size is one of the output layer's b·s·V (or b·(s−1)·V) tensors; with
@@ -56,22 +73,15 @@ def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int,
 
 
 def prepare_run(spec: dict[str, Any], workdir: Path):
-    """The RunSpec the worker trains: synthetic full-length data, warmup+steps steps, no checkpoints."""
-    from memfit.distributed.ranks import is_main_process
+    """The RunSpec the worker trains: warmup+steps steps, no checkpoints, no eval (data: synthetic ids)."""
     from memfit.spec.run import run_from_dict
 
     base = run_from_dict(spec["run"], source="measure spec")
     s = base.strategy
     world = base.distributed.nproc * base.distributed.nodes
     steps = int(spec["warmup"]) + int(spec["steps"])
-    n = s.micro_batch_size * s.grad_accum * world * steps + 2
-    data_path = workdir / "synthetic.jsonl"
-    if is_main_process() or not data_path.exists():
-        tmp = data_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(n, s.seq_len)))
-        os.replace(tmp, data_path)
     raw = base.model_dump(mode="json")
-    raw["data"] = {"path": str(data_path), "format": "text", "eval_fraction": 0.0, "packing": False}
+    raw["data"] = {"path": None, "format": "text", "eval_fraction": 0.0, "packing": False}
     raw["training"].update({"max_steps": steps, "epochs": None, "checkpoint_interval": 0,
                             "eval_interval": 0, "logging_interval": 1})
     raw["output_dir"] = str(workdir / "train")
@@ -99,12 +109,21 @@ def main(argv: list[str]) -> int:
     from memfit.measure.callback import ProbeCallback
     from memfit.train.api import train
 
+    from memfit.errors import ConfigError
+
     s = run.strategy
+    vocab = vocab_size_of(run.model)
+    if not vocab:
+        raise ConfigError(f"model: {run.model} has no vocab_size in config.json; measure feeds random "
+                          "token ids below it")
+    world = run.distributed.nproc * run.distributed.nodes
+    n = s.micro_batch_size * s.grad_accum * world * run.training.max_steps + 2
+    data = synthetic_token_data(n, s.seq_len, vocab, seed=run.training.seed)
     cb = ProbeCallback(warmup=int(spec["warmup"]), steps=int(spec["steps"]), out_path=spec["out"],
-                       logits_bytes=logits_predicate(vocab_size_of(run.model), s.micro_batch_size,
-                                                     s.seq_len, s.loss),
-                       categories=bool(spec.get("categories", True)))
-    train(run, callbacks=[cb])
+                       logits_bytes=logits_predicate(vocab, s.micro_batch_size, s.seq_len, s.loss),
+                       categories=bool(spec.get("categories", True)),
+                       expect_shape=(s.micro_batch_size, s.seq_len))
+    train(run, callbacks=[cb], data=data)
     return 0
 
 

@@ -151,9 +151,10 @@ def meft_state(model: nn.Module) -> dict:
 
 
 def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    from memfit.io import atomic_file
+
+    with atomic_file(path) as tmp:
+        write(tmp)
 
 
 def _paths(path: Union[str, os.PathLike]) -> tuple[Path, Path]:

@@ -6,8 +6,6 @@ The image is written to a temporary name and moved into place, so a half-written
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +13,6 @@ from memfit.errors import MemfitError
 from memfit.plan.matrix import NO_FIT, Matrix
 
 NO_FIT_COLOUR = "#d9d9d9"
-
-
-def default_mode() -> int:
-    """rw for everyone the umask allows (mkstemp's temp files are 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def _seconds(v: float) -> str:
@@ -87,15 +78,11 @@ def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 11
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    os.close(fd)
+    from memfit.io import atomic_file
+
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
+        with atomic_file(path, "picture") as tmp:
+            fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path

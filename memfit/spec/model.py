@@ -328,6 +328,16 @@ def model_from_config(cfg: dict, name: str = "model", where: str = "config.json"
     """Build a ModelSpec from a parsed config.json dict."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object with model_type, hidden_size, ...")
+    try:
+        return _model_from_config(cfg, name, where)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{where}: a field has a value of the wrong kind ({err}); compare it with the "
+                          "model's original config.json") from None
+
+
+def _model_from_config(cfg: dict, name: str, where: str) -> ModelSpec:
     mt = cfg.get("model_type")
     if mt in LLAMA_STYLE:
         return _llama_style(cfg, name, where)
@@ -352,13 +362,25 @@ def list_presets() -> list[str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (not UTF-8); a config.json is JSON text written by "
+                          "save_pretrained") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: malformed JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+
+
+def read_config(path: Path) -> dict:
+    """A config.json as a dict, or one ConfigError line (unreadable, not JSON, not an object)."""
+    cfg = _read_json(Path(path))
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object with model_type, hidden_size, ..., got "
+                          f"{type(cfg).__name__}")
+    return cfg
 
 
 @lru_cache(maxsize=64)

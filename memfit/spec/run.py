@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from memfit.errors import ConfigError
 from memfit.spec.strategy import Strategy
@@ -42,7 +42,7 @@ class TrainingSpec(BaseModel):
     eval_interval: int = Field(0, ge=0, description="steps between evaluations; 0 = only at the end")
     checkpoint_interval: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     logging_interval: int = Field(1, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (numpy accepts 0 .. 2**32-1)")
 
 
 class DistributedSpec(BaseModel):
@@ -69,7 +69,14 @@ class RunSpec(BaseModel):
     strategy: Strategy = Strategy()
     training: TrainingSpec = TrainingSpec()
     distributed: DistributedSpec = DistributedSpec()
-    output_dir: str = "runs/memfit"
+    output_dir: str = Field("runs/memfit", description="folder for the run's files")
+
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _output_dir_given(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, str) and not v.strip()):
+            raise ValueError("empty; give a folder for the run's files, e.g. --set output_dir=runs/my-run")
+        return v
 
 
 _SECTION_ALIASES = {
@@ -159,6 +166,48 @@ def run_from_dict(raw: dict[str, Any], overrides: list[str] = (), source: str = 
         raise ConfigError(format_validation_error(err, source)) from None
 
 
+def yaml_error_line(err: Exception, path: Any) -> str:
+    """One line: file:line:column: the problem (PyYAML's message without its context dump)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    return f"{where}: not valid YAML: {problem}"
+
+
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(loader, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice (first on line {seen[key] + 1}); keep one",
+                    mark)
+            seen[key] = key_node.start_mark.line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
+
+
+class _LazyLoader:
+    _cls = None
+
+    def __call__(self, stream):
+        if _LazyLoader._cls is None:
+            _LazyLoader._cls = _unique_key_loader()
+        return _LazyLoader._cls(stream)
+
+
+_UniqueKeyLoader = _LazyLoader()
+
+
 def load_run(path: str | Path, overrides: list[str] = ()) -> RunSpec:
     """Read and validate a YAML run file; every mistake becomes a ConfigError naming the field."""
     import yaml
@@ -167,9 +216,11 @@ def load_run(path: str | Path, overrides: list[str] = ()) -> RunSpec:
     if not path.is_file():
         raise ConfigError(f"run file {path} not found; write one or use `memfit plan ... --emit DIR`")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_bytes(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(yaml_error_line(err, path)) from None
+    except OSError as err:
+        raise ConfigError(f"run file {path}: cannot read ({err.strerror})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the run file must be a mapping of sections (model, data, strategy, ...)")
     return run_from_dict(raw, overrides, source=str(path))
@@ -185,17 +236,7 @@ def dump_run(run: RunSpec) -> str:
 
 
 def save_run(run: RunSpec, path: str | Path) -> Path:
-    """Write the run file atomically."""
-    import os
-    import tempfile
+    """Write the run file atomically (memfit.io: umask permissions, one line on a write failure)."""
+    from memfit.io import write_text
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-", suffix=".yaml")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(dump_run(run))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a run file is an ordinary file
-    os.replace(tmp, path)
-    return path
+    return write_text(path, dump_run(run), "run file")

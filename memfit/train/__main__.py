@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, TrainingInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON (rank 0)")
     args = parser.parse_args(argv)
     from memfit.train.quiet import quiet_libraries
@@ -34,10 +35,17 @@ def main(argv: list[str] | None = None) -> int:
             from memfit.train.callbacks import RichProgress
 
             callbacks.append(RichProgress())
-        result = train(run, callbacks=callbacks, resume=args.resume)
+        try:
+            result = train(run, callbacks=callbacks, resume=args.resume, overwrite=args.overwrite)
+        finally:
+            for cb in callbacks:
+                cb.close()
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, TrainingInterrupted) as err:
+        print(str(err) or "interrupted", file=sys.stderr)
+        return 130
     if main_rank:
         if args.json:
             from memfit.cli.output import print_json

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from memfit.distributed import engines
 from memfit.distributed.ranks import rank_info
-from memfit.errors import IncompatibleError, MemfitError
+from memfit.errors import IncompatibleError, MemfitError, TrainingInterrupted
+from memfit.io import atomic_dir, write_json, write_text
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -77,13 +77,6 @@ def cpu_threads() -> Optional[int]:
     return n
 
 
-def _write_json_atomic(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, default=str)
-    os.replace(tmp, path)
-
-
 def trim_metrics(path: Path, last_step: int) -> None:
     """On resume, drop the lines an interrupted run logged after its checkpoint (they are redone)."""
     keep = []
@@ -93,17 +86,13 @@ def trim_metrics(path: Path, last_step: int) -> None:
                 keep.append(line)
         except (ValueError, AttributeError):
             continue
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write("".join(x + "\n" for x in keep))
-    os.replace(tmp, path)
+    write_text(path, "".join(x + "\n" for x in keep), "metrics")
 
 
 def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None) -> Path:
     """The method's result (adapter, full model or MEFT file) in ``out/<method.output>``, atomically.
     ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own."""
     from memfit.methods import for_strategy
-    from memfit.train.checkpoint import atomic_dir
 
     method = for_strategy(run.strategy)
     if state_dict is not None:
@@ -114,44 +103,100 @@ def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = 
     return dst
 
 
-def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult:
+def train(run, *, callbacks: Sequence = (), resume: bool = False, overwrite: bool = False,
+          data: Optional[tuple] = None) -> TrainResult:
     """Train ``run`` (a RunSpec) in this process; rank 0 writes metrics, checkpoints' trainer state and
-    the final adapter/model. Extra ``transformers.TrainerCallback``s (e.g. a memory probe) are attached."""
+    the final adapter/model. Extra ``transformers.TrainerCallback``s (e.g. a memory probe) are attached.
+    ``data`` = (train_ds, eval_ds, DataReport) of token ids replaces ``run.data`` and the tokenizer
+    (``memfit measure`` feeds exact shapes that way). The output folder is checked and held first
+    (memfit.train.outdir): a finished run is not replaced without ``overwrite``, two runs never write
+    into one folder, and a refused run leaves nothing behind."""
+    from memfit.train import outdir
+    from memfit.train.checkpoint import checkpoints, latest_checkpoint
+
+    main = rank_info()[0] == 0
+    out = Path(run.output_dir).expanduser()
+    outdir.check_path(out)
+    finished = outdir.check_reuse(out, run, resume=resume, overwrite=overwrite,
+                                  has_checkpoints=bool(checkpoints(out)))
+    if finished is not None:
+        return _already_finished(finished, out, run)
+    reasons = preflight(run)
+    if reasons:
+        raise IncompatibleError(f"strategy {run.strategy.label()} cannot run on this machine: "
+                                + "; ".join(reasons))
+    ckpt = latest_checkpoint(out) if resume else None
+    lock = outdir.OutputLock(out).acquire() if main else None
+    state: dict = {"trainer": None, "started": False}
+    try:
+        return _train(run, out, ckpt, callbacks, overwrite, data, state)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(_interrupted_line(run, out, state)) from None
+    except BaseException:
+        if lock is not None:
+            lock.release(refused=not state["started"])
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _already_finished(summary: dict, out: Path, run) -> TrainResult:
+    from dataclasses import MISSING
+
+    def value(f):  # a summary from another memfit version may lack a field
+        if f.name in summary:
+            return summary[f.name]
+        return f.default_factory() if f.default_factory is not MISSING else \
+            (None if f.default is MISSING else f.default)
+
+    result = TrainResult(**{f.name: value(f) for f in fields(TrainResult)})
+    result.notes = list(result.notes or [])
+    result.notes = [*result.notes, f"--resume: the run in {out} already finished at step {result.steps} "
+                    f"(max_steps={run.training.max_steps}); nothing trained, nothing written"]
+    return result
+
+
+def _interrupted_line(run, out: Path, state: dict) -> str:
+    from memfit.train.checkpoint import checkpoints
+
+    trainer = state.get("trainer")
+    step = trainer.state.global_step if trainer is not None else 0
+    found = checkpoints(out) if out.is_dir() else []
+    if found:
+        return (f"interrupted at step {step}; last checkpoint {found[-1]}; resume with "
+                f"`memfit train {out / 'run.yaml'} --resume`")
+    return (f"interrupted at step {step}; no checkpoint was written (training.checkpoint_interval="
+            f"{run.training.checkpoint_interval}); start again with --overwrite")
+
+
+def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite: bool,
+           data: Optional[tuple], state: dict) -> TrainResult:
     from transformers import set_seed
 
     from memfit.spec.run import save_run
     from memfit.methods import for_strategy
-    from memfit.train.callbacks import MetricsWriter, StepStats, peak_memory_bytes
-    from memfit.train.checkpoint import checkpoints, clean_staging, latest_checkpoint
+    from memfit.train.callbacks import MetricsWriter, StepStats
+    from memfit.train.checkpoint import clean_staging
     from memfit.train.data import prepare_datasets
     from memfit.train.model import build_model
     from memfit.train.trainer import build_trainer
 
     rank, local_rank, world = rank_info()
     main = rank == 0
-    out = Path(run.output_dir).expanduser()
-    reasons = preflight(run)
-    if reasons:
-        raise IncompatibleError(f"strategy {run.strategy.label()} cannot run on this machine: "
-                                + "; ".join(reasons))
-    ckpt = latest_checkpoint(out) if resume else None
-    if not resume and checkpoints(out):
-        raise MemfitError(f"output_dir {out} holds checkpoints of an earlier run ({checkpoints(out)[-1].name}); "
-                          "continue it with --resume, or use another output_dir (--set output_dir=...)")
     if main:
-        out.mkdir(parents=True, exist_ok=True)
         clean_staging(out)
-
     set_seed(run.training.seed)
     engine = engines.for_run(run)
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
-    model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine)
+    model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
-    train_ds, eval_ds, report = prepare_datasets(run, tokenizer, info.max_positions)
-
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    train_ds, eval_ds, report = data if data is not None else prepare_datasets(
+        run, tokenizer, info.max_positions, vocab if isinstance(vocab, int) else None)
     stats = StepStats()
     cbs: list = [stats]
     metrics_path = out / METRICS_FILE
@@ -159,37 +204,70 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
     optimizer = method.optimizer(model, run.training)  # None: the Trainer's own (MEFT: its CPU AdamW)
     cbs.extend(method.callbacks(model))  # before the writer: they add to each log line
     if main:
-        if not resume and metrics_path.exists():
+        if overwrite:
+            from memfit.train.outdir import clear_previous
+
+            clear_previous(out)
+        if ckpt is None and metrics_path.exists():
             metrics_path.unlink()
         elif ckpt is not None and metrics_path.exists():
             trim_metrics(metrics_path, int(ckpt.name.rsplit("-", 1)[-1]))
         cbs.append(MetricsWriter(metrics_path))
     cbs.extend(callbacks)
     trainer = build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
+    state["trainer"] = trainer
     if main:
         save_run(run, out / "run.yaml")
-
+    state["started"] = True
     output = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
     eval_loss = None
     if eval_ds is not None:  # the final evaluation, unless the schedule just did it
         done = [h for h in trainer.state.log_history
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         eval_loss = float(done[-1]["eval_loss"] if done else trainer.evaluate()["eval_loss"])
+    saved = _save_final(run, trainer, engine, tokenizer, out)
+    result = _result(run, out, trainer, output, stats, report, info, eval_loss, saved, ckpt, main)
+    if main:
+        write_json(out / SUMMARY_FILE, result.to_dict(), "summary", default=str)
+    return result
 
-    # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes
-    state_dict = engine.gathered_state_dict(trainer, run)
-    saved = None
-    if trainer.is_world_process_zero():
-        saved = save_outputs(run, trainer.accelerator.unwrap_model(trainer.model), tokenizer, out, state_dict)
-    engine.barrier()
+
+def _save_final(run, trainer, engine, tokenizer, out: Path) -> Optional[Path]:
+    """The trained adapter/model; on a write failure the line says which checkpoint is still there."""
+    from memfit.io import WriteError
+    from memfit.train.checkpoint import checkpoints
+
+    try:
+        # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes
+        state_dict = engine.gathered_state_dict(trainer, run)
+        saved = None
+        if trainer.is_world_process_zero():
+            saved = save_outputs(run, trainer.accelerator.unwrap_model(trainer.model), tokenizer, out,
+                                 state_dict)
+        engine.barrier()
+        return saved
+    except WriteError as err:
+        found = checkpoints(out)
+        kept = (f"the last checkpoint {found[-1]} is kept (resume from it with --resume after freeing space)"
+                if found else "no checkpoint was written (set training.checkpoint_interval to keep some)")
+        raise WriteError(f"{err}; the trained weights of step {trainer.state.global_step} were not saved; "
+                         f"{kept}") from None
+
+
+def _result(run, out, trainer, output, stats, report, info, eval_loss, saved, ckpt, main) -> TrainResult:
+    from memfit.train.callbacks import peak_memory_bytes
+
     peak, kind = peak_memory_bytes()
     losses = stats.losses
     seen = trainer.state.num_input_tokens_seen
     notes = list(info.notes)
-    if report.truncated:
-        notes.append(f"{report.truncated} examples were longer than seq_len={run.strategy.seq_len}: "
-                     f"{report.tokens_cut} tokens cut ({report.dropped} dropped with nothing left to learn)")
-    result = TrainResult(
+    if report.truncated or report.dropped:
+        notes.append(f"{report.truncated} of {report.examples} examples were longer than seq_len="
+                     f"{run.strategy.seq_len}: {report.tokens_cut} tokens cut; {report.dropped} dropped "
+                     "with nothing left to learn")
+    if report.extra.get("empty"):
+        notes.append(f"{report.extra['empty']} of {report.examples} examples were empty (skipped)")
+    return TrainResult(
         output_dir=str(out), saved_to=str(saved) if saved else None, method=run.strategy.method,
         steps=trainer.state.global_step,
         first_loss=losses[0][1] if losses else None, final_loss=losses[-1][1] if losses else None,
@@ -197,9 +275,6 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False) -> TrainResult
         tokens_per_s=stats.tokens_per_s(seen - (getattr(trainer, "_initial_num_input_tokens_seen", 0) or 0)),
         train_tokens=report.train_tokens, peak_mem_bytes=peak, peak_mem_kind=kind,
         train_runtime_s=float(output.metrics.get("train_runtime", 0.0)),
-        resumed_from=str(ckpt) if ckpt else None, metrics_file=str(metrics_path),
+        resumed_from=str(ckpt) if ckpt else None, metrics_file=str(out / METRICS_FILE),
         data=report.to_dict(), model=info.to_dict(), predicted=predict(run) if main else None, notes=notes,
     )
-    if main:
-        _write_json_atomic(result.to_dict(), out / SUMMARY_FILE)
-    return result

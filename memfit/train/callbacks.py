@@ -99,10 +99,14 @@ class MetricsWriter(TrainerCallback):
             return
         row: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3)}
         row.update({k: (float(v) if hasattr(v, "item") else v) for k, v in logs.items()})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+        except OSError as err:  # e.g. a full disk: one line, not a traceback
+            from memfit.io import write_error
+
+            raise write_error(err, self.path, "metrics") from None
 
 
 class RichProgress(TrainerCallback):
@@ -149,5 +153,10 @@ class RichProgress(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self.progress is not None:
             self.progress.update(self.task, completed=state.global_step)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the bar (and show the terminal's cursor again); also after an error or Ctrl-C."""
+        if self.progress is not None:
             self.progress.stop()
             self.progress = None

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
+
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from memfit.errors import MemfitError
+from memfit.io import WriteError, atomic_dir, reason, replace_dir  # noqa: F401 - atomic_dir re-exported
 
 STAGING = ".staging"
 PREFIX = "checkpoint-"
@@ -34,30 +34,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place; an existing ``dst`` is swapped out first, then removed."""
-    src, dst = Path(src), Path(dst)
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _is_write_failure(err: BaseException) -> bool:
+    """An OS write failure, also as torch.save reports it (a RuntimeError from its zip writer)."""
+    if isinstance(err, OSError):
+        return True
+    text = str(err).lower()
+    return "no space left" in text or "file write failed" in text or "unexpected pos" in text
 
 
-@contextmanager
-def atomic_dir(dst: Path) -> Iterator[Path]:
-    """Yield a temporary folder next to ``dst``; on success it becomes ``dst``, on error it is removed."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
-    try:
-        yield tmp
-        replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _why(err: BaseException) -> str:
+    if isinstance(err, OSError):
+        return reason(err)
+    return "no space left on device" if "space" in str(err).lower() else str(err).splitlines()[0][:160]
 
 
 class AtomicCheckpointMixin:
@@ -79,6 +67,14 @@ class AtomicCheckpointMixin:
         self._memfit_staging = True
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as err:
+            if not _is_write_failure(err):
+                raise
+            shutil.rmtree(run_dir / STAGING, ignore_errors=True)  # no half-written checkpoint left
+            found = checkpoints(run_dir)
+            kept = f"the last checkpoint {found[-1]} is kept" if found else "no earlier checkpoint exists"
+            raise WriteError(f"cannot write checkpoint {name} in {run_dir}: {_why(err)}; {kept} "
+                             "(free space, then continue with --resume)") from None
         finally:
             self._memfit_staging = False
         _barrier()  # every rank has written its part

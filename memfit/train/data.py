@@ -54,19 +54,27 @@ class DataReport:
 def read_jsonl(path: Path) -> list[dict]:
     """Parse a JSONL file; a bad line raises a MemfitError naming file:line."""
     records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MemfitError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one "
-                                  "JSON object") from None
-            if not isinstance(obj, dict):
-                raise MemfitError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            obj["__line__"] = lineno
-            records.append(obj)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise MemfitError(f"data.path: cannot read {path} ({err.strerror})") from None
+    for lineno, data in enumerate(raw.splitlines(), start=1):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise MemfitError(f"{path}:{lineno}: not UTF-8 text (byte 0x{data[err.start]:02x} at column "
+                              f"{err.start + 1}); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise MemfitError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one "
+                              "JSON object") from None
+        if not isinstance(obj, dict):
+            raise MemfitError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        obj["__line__"] = lineno
+        records.append(obj)
     return records
 
 
@@ -88,7 +96,12 @@ def read_records(path: Optional[str]) -> tuple[list[dict], str]:
     if (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file():
         from datasets import DatasetDict, load_from_disk
 
-        ds = load_from_disk(str(p))
+        try:
+            ds = load_from_disk(str(p))
+        except Exception as err:  # noqa: BLE001 - datasets raises many kinds for a damaged folder
+            first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+            raise ConfigError(f"data.path: {p} looks like a datasets folder but cannot be loaded ({first}); "
+                              "write it with datasets' save_to_disk, or give a JSONL file") from None
         if isinstance(ds, DatasetDict):
             if "train" not in ds:
                 raise ConfigError(f"data.path: {p} has splits {list(ds)}, no 'train'; save a 'train' split")
@@ -124,7 +137,40 @@ def _where(source: str, rec: dict) -> str:
     return f"{source} ({line})" if line else source
 
 
-def check_fields(records: list[dict], fmt: str, source: str) -> None:
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def template_roles(tokenizer) -> tuple[str, ...]:
+    """The usual roles plus any other the chat template compares a message's role with
+    (``message['role'] == 'ipython'``)."""
+    import re
+
+    text = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(text, str):
+        return CHAT_ROLES
+    named = re.findall(r"role['\"]?\]?\s*==\s*['\"]([\w-]+)['\"]", text)
+    return CHAT_ROLES + tuple(dict.fromkeys(r for r in named if r not in CHAT_ROLES))
+
+
+def _check_messages(rec: dict, source: str, roles: tuple[str, ...]) -> None:
+    msgs = rec["messages"]
+    if not isinstance(msgs, list) or not msgs or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in msgs
+    ):
+        raise MemfitError(f"{_where(source, rec)}: 'messages' must be a non-empty list of "
+                          "{role, content} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m["content"], str):
+            raise MemfitError(f"{_where(source, rec)}: messages[{i}].content must be text, got "
+                              f"{type(m['content']).__name__}")
+        if m["role"] not in roles:
+            raise MemfitError(f"{_where(source, rec)}: messages[{i}].role {m['role']!r} is not a role the "
+                              f"chat template accepts ({', '.join(roles)})")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise MemfitError(f"{_where(source, rec)}: no 'assistant' message to learn from")
+
+
+def check_fields(records: list[dict], fmt: str, source: str, roles: tuple[str, ...] = CHAT_ROLES) -> None:
     fields = FORMAT_FIELDS[fmt]
     for rec in records:
         missing = [f for f in fields if f not in rec or rec[f] is None]
@@ -132,14 +178,7 @@ def check_fields(records: list[dict], fmt: str, source: str) -> None:
             raise MemfitError(f"{_where(source, rec)}: missing field(s) {', '.join(missing)}; format "
                               f"'{fmt}' needs {', '.join(fields)} in every record")
         if fmt == "chat":
-            msgs = rec["messages"]
-            if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in msgs
-            ):
-                raise MemfitError(f"{_where(source, rec)}: 'messages' must be a non-empty list of "
-                                  "{role, content} objects")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise MemfitError(f"{_where(source, rec)}: no 'assistant' message to learn from")
+            _check_messages(rec, source, roles)
         else:
             bad = [f for f in fields if not isinstance(rec[f], str)]
             if bad:
@@ -212,8 +251,34 @@ def pack(examples: list[dict], seq_len: int) -> list[dict]:
     return rows
 
 
-def prepare_datasets(run, tokenizer, max_positions: Optional[int] = None):
-    """(train_dataset, eval_dataset or None, DataReport) for ``run`` (a RunSpec)."""
+def record_text(rec: dict, fmt: str) -> str:
+    """The user's text of one record (no template, no special tokens)."""
+    if fmt == "chat":
+        return "".join(m["content"] for m in rec["messages"])
+    return "".join(rec[f] for f in FORMAT_FIELDS[fmt])
+
+
+def check_tokenizer(tokenizer, vocab_size: Optional[int], texts: list[str], model: str) -> None:
+    """Refuse a tokenizer that cannot be the model's: a vocabulary far smaller than the embedding's, or
+    one that turns sample text into almost no tokens (e.g. the empty tokenizer transformers builds for
+    a folder without tokenizer files)."""
+    n = len(tokenizer)
+    if vocab_size and n < vocab_size // 4:
+        raise ConfigError(f"model: {model}: the tokenizer has {n} tokens but the model's vocabulary has "
+                          f"{vocab_size}; it is not this model's tokenizer (save the right one with "
+                          "tokenizer.save_pretrained into the model folder)")
+    chars = sum(len(t) for t in texts)
+    if chars >= 200:
+        tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+        if tokens * 50 < chars:
+            raise ConfigError(f"model: {model}: the tokenizer turns {chars} characters of sample records "
+                              f"into {tokens} tokens; it cannot encode this data (save the model's own "
+                              "tokenizer with tokenizer.save_pretrained into the model folder)")
+
+
+def prepare_datasets(run, tokenizer, max_positions: Optional[int] = None, vocab_size: Optional[int] = None):
+    """(train_dataset, eval_dataset or None, DataReport) for ``run`` (a RunSpec). Empty records are
+    skipped (all empty: refused); the tokenizer is checked against the model's vocabulary first."""
     from datasets import Dataset
 
     spec, seq_len = run.data, run.strategy.seq_len
@@ -226,10 +291,19 @@ def prepare_datasets(run, tokenizer, max_positions: Optional[int] = None):
     if spec.max_samples:
         records = records[: spec.max_samples]
     fmt = detect_format(records, source) if spec.format == "auto" else spec.format
-    check_fields(records, fmt, source)
+    check_fields(records, fmt, source, template_roles(tokenizer) if fmt == "chat" else CHAT_ROLES)
     report = DataReport(source=source, format=fmt, examples=len(records), packed=spec.packing)
+    texts = [record_text(r, fmt) for r in records]
+    empty = sum(1 for t in texts if not t.strip())
+    if empty == len(records):
+        raise MemfitError(f"{source}: every one of the {len(records)} records is empty (no text in "
+                          f"{', '.join(FORMAT_FIELDS[fmt])}); there is nothing to learn from")
+    check_tokenizer(tokenizer, vocab_size, [t for t in texts if t.strip()][:32], run.model)
+    report.extra["empty"] = empty
     examples = []
-    for rec in records:
+    for rec, text in zip(records, texts):
+        if not text.strip():
+            continue
         ids, labels, cut = tokenize_example(rec, fmt, tokenizer, seq_len)
         if cut:
             report.truncated += 1

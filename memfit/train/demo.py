@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,14 +75,9 @@ def make_dialogue_records(n: int = 400, seed: int = 0) -> list[dict[str, str]]:
 
 
 def write_jsonl(records: list[dict], path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".data-", suffix=".jsonl")
-    with os.fdopen(fd, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec) + "\n")
-    os.replace(tmp, path)
-    return path
+    from memfit.io import write_text
+
+    return write_text(path, "".join(json.dumps(rec) + "\n" for rec in records), "data file")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -129,15 +122,11 @@ def build_tiny_model(out_dir: Path, cfg: TinyModelConfig = TinyModelConfig(), se
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    try:
+    from memfit.io import atomic_dir
+
+    with atomic_dir(out_dir, "model folder") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -8,8 +8,8 @@ after wrapping (otherwise checkpointing silently does nothing).
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from memfit.errors import ConfigError
@@ -61,10 +61,59 @@ def choose_attention(requested: str, notes: list[str]) -> str:
     return requested
 
 
-def build_model(run, local_rank: int = 0, engine=None):
-    """(model ready for Trainer, tokenizer, ModelInfo) for ``run`` (a RunSpec) under ``engine`` (default:
-    the run's engine from :mod:`memfit.distributed.engines`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - narrowed by _damaged
+        if not _damaged(err):
+            raise
+        raise ConfigError(f"model: {path} has no usable tokenizer or config ({_first_line(err)}); save "
+                          "them with save_pretrained into the folder") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load(auto_cls, path: Path, kwargs: dict):
+    """from_pretrained; a damaged folder (config values of the wrong kind, corrupt or empty weights) is
+    one ConfigError line."""
+    try:
+        return auto_cls.from_pretrained(str(path), **kwargs)
+    except Exception as err:  # noqa: BLE001 - narrowed by _damaged
+        if not _damaged(err):
+            raise
+        why = _first_line(err)
+    raise ConfigError(f"model: {path} cannot be loaded ({why}); check config.json and the *.safetensors "
+                      "files (write them with save_pretrained)") from None
+
+
+# errors of a damaged model folder: config values of the wrong kind (huggingface_hub's strict
+# dataclasses), corrupt or empty safetensors, missing files. Out-of-memory and bugs are not among them.
+_DAMAGED_NAMES = {"SafetensorError", "StrictDataclassError", "StrictDataclassFieldValidationError",
+                  "StrictDataclassClassValidationError", "HeaderTooLarge", "HeaderTooSmall"}
+
+
+def _damaged(err: BaseException) -> bool:
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    return isinstance(err, (ValueError, TypeError, KeyError, OSError, AttributeError)) or \
+        any(c.__name__ in _DAMAGED_NAMES for c in type(err).__mro__)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
+    """(model ready for Trainer, tokenizer or None, ModelInfo) for ``run`` (a RunSpec) under ``engine``
+    (default: the run's engine from :mod:`memfit.distributed.engines`)."""
+    from transformers import AutoModelForCausalLM
+
+    from memfit.spec.model import read_config
 
     from memfit.distributed.engines import for_run
 
@@ -72,24 +121,20 @@ def build_model(run, local_rank: int = 0, engine=None):
     s = run.strategy
     path = model_dir(run.model)
     notes: list[str] = []
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config(path / "config.json")
     max_pos = cfg.get("max_position_embeddings")
+    if max_pos is not None and (not isinstance(max_pos, int) or isinstance(max_pos, bool)):
+        raise ConfigError(f"{path / 'config.json'}: max_position_embeddings must be an integer, got {max_pos!r}")
     if max_pos and s.seq_len > max_pos:
         raise ConfigError(f"strategy.seq_len={s.seq_len} is above the model's max_position_embeddings="
                           f"{max_pos}; use --set strategy.seq_len={max_pos} or less")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"model: {path} has no usable tokenizer ({str(err).splitlines()[0]}); save one "
-                          "with tokenizer.save_pretrained into the folder") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(path) if tokenizer else None
     method = for_strategy(s)
     load_dtype, compute_dtype = load_dtypes(s, cuda=_on_cuda())
     attention = choose_attention(s.attention, notes)
     kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention, local_files_only=True)
     kwargs.update(method.load_kwargs(run, compute_dtype, engine, local_rank, _on_cuda(), notes))
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = _load(AutoModelForCausalLM, path, kwargs)
     model.config.use_cache = False
     if s.loss == "chunked":  # on the transformers model itself, before PEFT / MEFT / engine wrapping
         from memfit.train.loss import install_chunked_loss

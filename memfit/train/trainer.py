@@ -77,7 +77,8 @@ def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: 
     args = training_arguments(run, output_dir, has_eval=eval_ds is not None, engine=engine)
     trainer = MemfitTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-        data_collator=Collator(tokenizer.pad_token_id), processing_class=tokenizer,
+        data_collator=Collator(tokenizer.pad_token_id if tokenizer is not None else 0),
+        processing_class=tokenizer,
         callbacks=list(callbacks), optimizers=(optimizer, None),
     )
     # memfit shows its own progress; the Trainer's printer would dump every log dict.

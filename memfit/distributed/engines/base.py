@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,12 +66,9 @@ def shutdown() -> None:
 
 
 def write_text_atomic(text: str, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-    return path
+    from memfit.io import write_text
+
+    return write_text(Path(path), text)
 
 
 def accelerate_file_text(run: RunSpec, device: cfgs.Device, deepspeed_config_file: Optional[str] = None,
