@@ -50,7 +50,7 @@ class ProbeCallback(TrainerCallback):
         self.categories = categories
         self._probe: Optional[P.TensorMemoryProbe] = None
         self._model = self._optimizer = None
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
         self._times: list[float] = []
         self._cpu_times: list[float] = []  # process CPU time per timed step (all threads; steadier than wall)
         self._profiled_time: Optional[float] = None
