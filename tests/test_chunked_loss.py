@@ -132,7 +132,9 @@ from memfit.spec.run import load_run  # noqa: E402
 from memfit.train.api import train  # noqa: E402
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "qlora", "meft"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow),
+                                    pytest.param("qlora", marks=pytest.mark.slow),
+                                    pytest.param("meft", marks=pytest.mark.slow)])
 def test_training_with_chunked_loss_logs_the_standard_losses(assets, tmp_path, method):  # noqa: F811
     if method == "qlora":
         pytest.importorskip("bitsandbytes")
