@@ -132,9 +132,15 @@ from memfit.spec.run import load_run  # noqa: E402
 from memfit.train.api import train  # noqa: E402
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow),
+                                    pytest.param("qlora", marks=pytest.mark.slow),
+                                    pytest.param("meft", marks=pytest.mark.slow)])
 def test_training_with_chunked_loss_logs_the_standard_losses(assets, tmp_path, method):  # noqa: F811
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
     kw = dict(overrides=["max_steps=2"], method=method, grad_accum=2, micro_batch_size=2)
+    if method == "meft":
+        kw.update(meft_neurons=64, meft_top_k=8)
     std = train(make_run(assets, tmp_path / "std", **kw))
     chk = train(make_run(assets, tmp_path / "chk", loss="chunked", **kw))
     assert [x[1] for x in chk.losses] == pytest.approx([x[1] for x in std.losses], rel=1e-5)
