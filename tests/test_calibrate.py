@@ -75,8 +75,7 @@ def test_unknown_field_is_a_clear_error():
 
 
 def test_real_profile_round_trip(tmp_path):
-    constants = pytest.importorskip("memfit.estimate.constants")
-    Profile = constants.Profile
+    from memfit.estimate.constants import Profile
 
     def est(record, p):
         c = record["config"]

@@ -39,16 +39,13 @@ def _run(cmd: list, cwd: Path, timeout: int = 900) -> None:
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl
+def matrix(tmp_path_factory, tiny_model_dir):
+    from memfit.train.demo import make_dialogue_records, write_jsonl
 
     root = tmp_path_factory.mktemp("dist")
     records = make_dialogue_records(48, seed=0)
     write_jsonl(records, root / "data.jsonl")
-    texts = [r["dialogue"] + "\n" + r["summary"] for r in records]
-    model = build_tiny_model(root / "micro", TinyModelConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=384, max_position_embeddings=128), texts=texts)
+    model = tiny_model_dir("dist", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
     base = {
         "model": str(model),
         "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
@@ -215,7 +212,7 @@ def test_engine_configs_written_and_adapter_reloads(matrix):
     assert acc["distributed_type"] == "DEEPSPEED" and acc["num_processes"] == 2
     assert yaml.safe_load((root / "out2" / "fsdp-lora" / "accelerate.yaml").read_text())["distributed_type"] == "FSDP"
 
-    base = AutoModelForCausalLM.from_pretrained(str(root / "micro"))
+    base = AutoModelForCausalLM.from_pretrained(yaml.safe_load((root / "dist.yaml").read_text())["model"])
     ids = torch.arange(12).unsqueeze(0)
     with torch.no_grad():
         before = base(ids).logits

@@ -15,14 +15,11 @@ from memfit.spec.run import run_from_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from memfit.train.demo import TinyModelConfig, build_tiny_model
-
+def assets(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("fallback")
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
     texts = [r["text"] for r in synthetic_text_records(50, 32, seed=1)]
-    model = build_tiny_model(root / "micro", cfg, seed=0, texts=texts)
+    model = tiny_model_dir("fallback", texts, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(40, 32, seed=2)))
     return model, data, root

@@ -21,14 +21,11 @@ def memfit(*args, check=True):
 
 
 @pytest.fixture(scope="module")
-def micro_model(tmp_path_factory):
-    from memfit.train.demo import TinyModelConfig, build_tiny_model
-
+def micro_model(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("measure")
-    cfg = TinyModelConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=400, max_position_embeddings=256)
     texts = [r["text"] for r in synthetic_text_records(60, 64, seed=3)]
-    return build_tiny_model(root / "micro", cfg, seed=0, texts=texts), root
+    model = tiny_model_dir("measure", texts, hidden_size=48, vocab_size=400, max_position_embeddings=256)
+    return model, root
 
 
 def test_measure_sweep_json_and_calibrate(micro_model):
@@ -56,7 +53,6 @@ def test_measure_sweep_json_and_calibrate(micro_model):
     assert gc["measured"]["components"]["activations"] < no_gc["measured"]["components"]["activations"]
     assert len(list(runs.glob("*.json"))) == 2
 
-    pytest.importorskip("memfit.estimate")
     out = root / "calibrated.json"
     cal = json.loads(memfit("calibrate", "--runs", str(runs), "--out", str(out),
                             "--memory-constants", "activation_scale", "--time-constants", "none",

@@ -35,19 +35,9 @@ def test_peak_is_the_maximum_not_the_end():
     del small
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
-
-
-def test_training_step_breakdown_sums_and_matches_model_states():
+def test_training_step_breakdown_sums_and_matches_model_states(tiny_llama):
     torch.set_num_threads(1)
-    model = _tiny_llama()
+    model = tiny_llama(0, attention="sdpa", vocab_size=512, intermediate_size=172, max_position_embeddings=256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 512, (2, 128))
 

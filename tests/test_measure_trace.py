@@ -13,12 +13,10 @@ from memfit.spec.strategy import Strategy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    from transformers import LlamaConfig
-
+def tiny_config(tmp_path_factory, llama_config):
     d = tmp_path_factory.mktemp("trace")
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False).save_pretrained(d)
+    llama_config(vocab_size=512, intermediate_size=172, max_position_embeddings=512,
+                 tie_word_embeddings=False).save_pretrained(d)
     return d
 
 

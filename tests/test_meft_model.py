@@ -11,14 +11,13 @@ from memfit.errors import MemfitError
 from memfit.meft import (MeftConfig, add_meft, adapters, build_meft_optimizer, load_meft, meft_state,
                          save_meft, traffic)
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
-def tiny_llama(seed: int = 0):
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg)
+@pytest.fixture
+def llama(tiny_llama):
+    """A random-init Llama (hidden 64, 2 layers, vocabulary 256), seeded: llama(seed=0)."""
+    return lambda seed=0: tiny_llama(seed, intermediate_size=128, vocab_size=256)
 
 
 CFG = dict(neurons=256, top_k=16, experts="auto", n_probe=4, buffer_size=128)
@@ -39,8 +38,8 @@ def train(model, opt, ids, steps):
     return losses
 
 
-def test_tiny_llama_trains_with_meft_and_loss_falls():
-    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+def test_tiny_llama_trains_with_meft_and_loss_falls(llama):
+    model = add_meft(llama(), MeftConfig(**CFG))
     assert list(adapters(model)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
     base_trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert base_trainable == ["model.layers.0.mlp.meft.router.weight", "model.layers.1.mlp.meft.router.weight"]
@@ -50,7 +49,7 @@ def test_tiny_llama_trains_with_meft_and_loss_falls():
     ids = batch()
     with torch.no_grad():  # W_V starts at zero: the adapted model starts as the base model
         before = model(input_ids=ids).logits
-        clean = tiny_llama()(input_ids=ids).logits
+        clean = llama()(input_ids=ids).logits
     torch.testing.assert_close(before, clean)
     opt = build_meft_optimizer(model, lr=1e-2)
     losses = train(model, opt, ids, 30)
@@ -61,8 +60,8 @@ def test_tiny_llama_trains_with_meft_and_loss_falls():
     assert state["cpu_optimizer_bytes"] > 0 and traffic(model)["h2d"] > 0
 
 
-def test_save_load_gives_identical_outputs(tmp_path):
-    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+def test_save_load_gives_identical_outputs(llama, tmp_path):
+    model = add_meft(llama(), MeftConfig(**CFG))
     ids = batch()
     train(model, build_meft_optimizer(model, lr=1e-2), ids, 3)
     save_meft(model, tmp_path / "meft")
@@ -73,18 +72,18 @@ def test_save_load_gives_identical_outputs(tmp_path):
     with torch.no_grad():
         expect = model(input_ids=ids).logits
         for path in (tmp_path / "meft", tmp_path / "one" / "meft.safetensors"):
-            other = load_meft(tiny_llama(), path)  # adds the adapters from the saved config
+            other = load_meft(llama(), path)  # adds the adapters from the saved config
             torch.testing.assert_close(other(input_ids=ids).logits, expect, rtol=0, atol=0)
 
 
-def test_optimizer_state_dict_resumes_tables_and_moments(tmp_path):
+def test_optimizer_state_dict_resumes_tables_and_moments(llama, tmp_path):
     """What the Trainer does on resume: model weights (base + router) and optimizer state from disk."""
-    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+    model = add_meft(llama(), MeftConfig(**CFG))
     opt = build_meft_optimizer(model, lr=1e-2, weight_decay=0.01)
     ids = batch()
     train(model, opt, ids, 3)
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
-    other = add_meft(tiny_llama(), MeftConfig(**CFG))  # fresh tables
+    other = add_meft(llama(), MeftConfig(**CFG))  # fresh tables
     other.load_state_dict(model.state_dict())
     opt2 = build_meft_optimizer(other, lr=1e-2, weight_decay=0.01)
     opt2.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
@@ -101,11 +100,11 @@ def test_optimizer_state_dict_resumes_tables_and_moments(tmp_path):
         opt2.load_state_dict(bad)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_gives_the_same_gradients(llama):
     ids = batch()
     grads = []
     for checkpointing in (False, True):
-        model = add_meft(tiny_llama(), MeftConfig(**CFG))
+        model = add_meft(llama(), MeftConfig(**CFG))
         for a in adapters(model).values():
             a.store.values.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
         if checkpointing:
@@ -118,12 +117,12 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
 
 
-def test_load_errors_are_one_clear_line(tmp_path):
+def test_load_errors_are_one_clear_line(llama, tmp_path):
     with pytest.raises(MemfitError, match="meft_config.json: not found"):
-        load_meft(tiny_llama(), tmp_path)
-    model = add_meft(tiny_llama(), MeftConfig(**CFG))
+        load_meft(llama(), tmp_path)
+    model = add_meft(llama(), MeftConfig(**CFG))
     save_meft(model, tmp_path / "a")
-    wrong = add_meft(tiny_llama(), MeftConfig(**{**CFG, "neurons": 128}))
+    wrong = add_meft(llama(), MeftConfig(**{**CFG, "neurons": 128}))
     with pytest.raises(MemfitError, match="has shape"):
         load_meft(wrong, tmp_path / "a")
 

@@ -11,18 +11,15 @@ pytest.importorskip("peft")
 from memfit.errors import ConfigError, IncompatibleError, MemfitError  # noqa: E402
 from memfit.spec.run import load_run, run_from_dict  # noqa: E402
 from memfit.train.api import train  # noqa: E402
-from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl  # noqa: E402
-
-MICRO = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+from memfit.train.demo import make_dialogue_records, write_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, tiny_model_dir):
     torch.set_num_threads(2)
-    root = tmp_path_factory.getbasetemp() / "memfit-micro"
+    root = tmp_path_factory.mktemp("memfit-micro")
     recs = make_dialogue_records(64, seed=1)
-    model = build_tiny_model(root / "model", MICRO, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
+    model = tiny_model_dir("train", [r["dialogue"] + "\n" + r["summary"] for r in recs])
     data = write_jsonl([{"prompt": r["dialogue"].split("\n")[0] + "\nSummary:", "completion": " " + r["summary"]}
                         for r in recs], root / "pc.jsonl")
     return model, data

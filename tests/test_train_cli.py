@@ -10,17 +10,14 @@ pytest.importorskip("peft")
 
 from memfit.cli.app import main  # noqa: E402
 from memfit.spec.run import load_run, run_from_dict, save_run  # noqa: E402
-from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl  # noqa: E402
-
-MICRO = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+from memfit.train.demo import make_dialogue_records, write_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("cli-assets")
     recs = make_dialogue_records(48, seed=2)
-    model = build_tiny_model(root / "model", MICRO, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
+    model = tiny_model_dir("cli", [r["dialogue"] + "\n" + r["summary"] for r in recs])
     data = write_jsonl(recs, root / "dialogues.jsonl")
     return model, data
 
@@ -103,9 +100,6 @@ def test_preset_model_and_unrunnable_precision_exit_2(assets, tmp_path, capsys):
 
 
 def test_meft_trains_logs_traffic_and_saves(assets, tmp_path):
-    meft = pytest.importorskip("memfit.meft")
-    if not hasattr(meft, "add_meft"):
-        pytest.skip("memfit.meft not available")
     from memfit.train.api import train
 
     run = load_run(_run_file(assets, tmp_path, method="meft", meft_neurons=256, meft_top_k=16, meft_experts=1),
@@ -119,7 +113,6 @@ def test_meft_trains_logs_traffic_and_saves(assets, tmp_path):
 
 
 def test_auto_asks_the_planner_then_trains(assets, tmp_path, capsys):
-    pytest.importorskip("memfit.plan.search")
     model, data = assets
     code, out, err = _cli(capsys, "train", "--auto", "--model", str(model), "--data", str(data),
                           "--out", str(tmp_path / "auto"), "--seq-len", "128", "--micro-batch-size", "4",

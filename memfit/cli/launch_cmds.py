@@ -36,6 +36,9 @@ def launch_command(
     if dry_run:
         _show_plan(run, cmd, as_json)
         return
+    from memfit.cli.extras import require_for_runs
+
+    require_for_runs("launch", [run])
     from memfit.cli.output import err_console
 
     def banner(run) -> None:

@@ -101,15 +101,19 @@ def measure_cmd(
     **strategy_flags: Any,
 ) -> None:
     """Run a few real steps in a fresh process per configuration: measured vs predicted memory and time."""
+    from memfit.cli.extras import require, require_for_runs
     from memfit.cli.output import console, err_console, print_json
     from memfit.measure.runner import measure, save_record
 
+    require("measure", "train")
     keys = _strategy_keys(strategy_flags)
     for name, value in (("seq_len", seq_len), ("micro_batch_size", batch_size), ("grad_accum", grad_accum)):
         if value is not None:
             keys[name] = value
     runs = _runs(run_file, model, list(overrides or []), list(sweeps or []), keys,
                  _hardware(gpus, trace_only), cpu_ram)
+    if not trace_only:
+        require_for_runs("measure", runs)
     prof = None
     if profile is not None:
         from memfit.estimate.constants import Profile

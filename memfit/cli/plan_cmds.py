@@ -270,6 +270,7 @@ def matrix_cmd(
 ) -> None:
     """Model size × context length table of the fastest recipe that fits (like arXiv 2406.02290 Fig. 4)."""
     from memfit.cli import plan_view
+    from memfit.cli.extras import require
     from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, STUDY_METHODS, STUDY_ZERO_STAGES, matrix
     from memfit.spec.hardware import parse_hardware
 
@@ -281,6 +282,8 @@ def matrix_cmd(
     for s in lens:
         _positive("--seq-lens", s)
     fixed = {k: v for k, v in (("lora_r", lora_r), ("loss", loss)) if v is not None} or None
+    if png is not None:
+        require("matrix --png", "plot")
     with plan_view.progress("planning the matrix", quiet=json_):
         m = matrix(hw, _str_list(models) or DEFAULT_MODELS, lens,
                    methods=_str_list(methods) or STUDY_METHODS, offloads=offloads,

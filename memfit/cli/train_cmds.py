@@ -136,8 +136,10 @@ def train_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Fine-tune a model as a run file (or --auto) describes; writes adapter/model, metrics.jsonl, summary."""
+    from memfit.cli.extras import require, require_for_runs
     from memfit.spec.run import load_run
 
+    require("train", "train")
     overrides = list(overrides or []) + ([f"strategy.loss={loss}"] if loss is not None else [])
     if auto:
         if run_file is not None:
@@ -149,6 +151,7 @@ def train_command(
             raise ConfigError("missing RUN_FILE: `memfit train run.yaml` (or --auto --model DIR --data FILE)")
         run = load_run(run_file, overrides)
         run_path = run_file
+    require_for_runs("train", [run])
     d = run.distributed
     for flag, value in (("--nproc", nproc), ("--nodes", nodes)):
         if value is not None and value < 1:
@@ -194,6 +197,9 @@ def demo_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """The main job, offline: plan this machine, train the embedded tiny Llama on dialogue → summary data."""
+    from memfit.cli.extras import require
+
+    require("demo", "train")
     from memfit.cli.output import console, err_console
     from memfit.spec.run import run_from_dict
 

@@ -1,0 +1,63 @@
+"""Shared tiny-model fixtures. Every model is built from a config on the CPU (no hub, no weights to fetch).
+
+- ``tiny_model_dir(name, texts, seed=0, **sizes)``: a model folder as memfit trains it (safetensors weights
+  + a byte-level BPE tokenizer trained on ``texts``), from ``memfit.train.demo.build_tiny_model``; the
+  sizes default to ``MICRO``. Built once per session for the same arguments.
+- ``llama_config(**sizes)``: a ``transformers.LlamaConfig`` of ``TINY_LLAMA`` sizes (plus overrides).
+- ``tiny_llama(seed=0, **sizes)``: a random-init ``LlamaForCausalLM`` of that config, seeded.
+
+torch/transformers are imported inside the fixtures, so collecting the planner's tests needs neither.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# the micro Llama memfit's train / CLI tests run: hidden 64, 2 layers, GQA 4/2, vocabulary 512
+MICRO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+
+# the plain transformers Llama the measurement and MEFT tests build in memory
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    built: dict = {}
+
+    def build(name: str, texts: list[str], seed: int = 0, **sizes):
+        from memfit.train.demo import TinyModelConfig, build_tiny_model
+
+        key = (name, tuple(texts), seed, tuple(sorted(sizes.items())))
+        if key not in built:
+            root = tmp_path_factory.mktemp(name)
+            built[key] = build_tiny_model(root / "model", TinyModelConfig(**{**MICRO, **sizes}), seed=seed,
+                                          texts=list(texts))
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama_config():
+    def make(**sizes):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{**TINY_LLAMA, **sizes})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(llama_config):
+    def make(seed: int = 0, attention: str | None = None, **sizes):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        cfg = llama_config(**sizes)
+        if attention is not None:
+            cfg._attn_implementation = attention
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg)
+
+    return make
