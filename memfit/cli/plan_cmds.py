@@ -111,7 +111,9 @@ def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Option
         raise ConfigError(f"--nodes {nodes}: must be a positive integer")
     spec = resolve_model(model)
     hw = parse_hardware(gpus or "local", cpu_ram=cpu_ram, nodes=nodes)
-    return spec, hw, _profile(profile)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    return spec, with_local_rates(hw), _profile(profile)
 
 
 def _profile(path: Optional[Path]) -> Any:
@@ -265,7 +267,9 @@ def matrix_cmd(
     from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, STUDY_METHODS, STUDY_ZERO_STAGES, matrix
     from memfit.spec.hardware import parse_hardware
 
-    hw = parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    hw = with_local_rates(parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes))
     prof = _profile(profile)
     offloads = ("none",) if no_offload else ("none", "optimizer", "optimizer+params") if param_offload \
         else ("none", "optimizer")

@@ -34,6 +34,12 @@ def _run_training(run, *, resume: bool, as_json: bool, callbacks: list | None = 
     from memfit.train.api import train
     from memfit.train.callbacks import RichProgress
 
+    if str(run.hardware).lower() in ("local", "auto"):  # the summary's prediction: measured speeds
+        from memfit.cli.hardware_cmds import with_local_rates
+        from memfit.spec.hardware import parse_hardware
+
+        with_local_rates(parse_hardware("local", cpu_ram=run.cpu_ram), quiet=as_json)
+
     cbs = list(callbacks or [])
     if not as_json:
         from memfit.cli.output import console
@@ -64,7 +70,9 @@ def local_plan(model: str, seq_len: int, micro_batch_size: int, methods: Optiona
     kwargs: dict[str, Any] = dict(seq_len=seq_len, micro_batch_size=micro_batch_size)
     if methods:
         kwargs["methods"] = methods
-    return plan(resolve_model(model), parse_hardware("local"), **kwargs)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    return plan(resolve_model(model), with_local_rates(parse_hardware("local")), **kwargs)
 
 
 def print_plan(p) -> None:
