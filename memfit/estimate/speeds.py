@@ -51,6 +51,9 @@ class Speeds:
     d2h: float
     dequant: float  # NF4 values dequantised per second
     peak: float  # the floor's FLOP/s (catalog peak of the dtype)
+    # measured dispatch, forward + backward, of transformers' code (seconds): per decoder layer, the rest of
+    # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
+    overheads: Optional[tuple[float, float, float, float]] = None
 
     def gemm(self, k: float, n: float) -> float:
         """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
@@ -126,7 +129,14 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
-        dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak)
+        dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
+        overheads=_overheads(rates.overheads, share if cpu else 1.0))
+
+
+def _overheads(o: Any, share: float) -> Optional[tuple[float, float, float, float]]:
+    if not o:
+        return None
+    return tuple(float(o[k]) / share for k in ("layer", "model", "adapter", "eager_layer_extra"))  # type: ignore
 
 
 def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:

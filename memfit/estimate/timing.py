@@ -95,6 +95,21 @@ def ops_per_layer(model: ModelSpec, adapted: int, eager: bool) -> float:
     return model.norms_per_layer * 7 + 4 + 12 + (9 if eager else 4) + 2 + mlp + 8 + 6 * adapted
 
 
+RECOMPUTE_DISPATCH = 0.4  # a recomputed layer forward costs this fraction of its forward + backward dispatch
+# (the forward issues ~40 % of the ops of forward + backward: autograd's nodes mirror most forward ops)
+
+
+def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc: bool) -> float:
+    """Host-side cost of one micro-batch's forward + backward: measured per transformers layer / PEFT
+    adapter where calibrated, else op counts x the per-op cost."""
+    L, redo = model.layers, 1.0 + (RECOMPUTE_DISPATCH if gc else 0.0)
+    if sp.overheads is not None:
+        layer, rest, adapter, eager_extra = sp.overheads
+        return L * redo * (layer + adapted * adapter + (eager_extra if eager else 0.0)) + rest
+    ops = ops_per_layer(model, adapted, eager) * L * redo + 20.0
+    return ops * sp.op_seconds
+
+
 _SUMS: dict = {}
 
 
@@ -143,9 +158,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     dequant = 0.0
     if st.method == "qlora":
         dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
-    ops = (ops_per_layer(model, len(adapted), st.attention == "eager") * L * (1.5 if gc else 1.0) + 20.0)
     compute = dense_s + adapter_s + attn / sp.attention + mem / sp.bandwidth + dequant / sp.dequant
-    dispatch = ops * sp.op_seconds
+    dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn / sp.attention,
             "memory_bound_seconds": mem / sp.bandwidth, "dequant_seconds": dequant / sp.dequant,
@@ -209,7 +223,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
-    trainer_s = p.trainer_step_seconds
+    trainer_s = p.trainer_step_ops * sp.op_seconds
     step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len

@@ -67,6 +67,8 @@ class ProbeCallback(TrainerCallback):
         self._model = self._optimizer = None
         self._t0 = 0.0
         self._times: list[float] = []
+        self._cpu_times: list[float] = []  # process CPU seconds of the timed steps (all threads)
+        self._c0 = 0.0
         self._profiled_time: Optional[float] = None
         self._probe_result: Optional[P.ProbeResult] = None
         self._rss_peak = 0
@@ -116,6 +118,7 @@ class ProbeCallback(TrainerCallback):
                                                   logits_bytes=self.logits_bytes,
                                                   baseline=self._baseline).start()
             self._t0 = time.perf_counter()
+            self._c0 = time.process_time()
 
     def on_substep_end(self, args, state, control, **kw):
         self._check_limit(state)
@@ -128,6 +131,7 @@ class ProbeCallback(TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0
+        cpu_elapsed = time.process_time() - self._c0
         if self._probe is not None:
             self._probe_result = self._probe.stop()
             self._probe = None
@@ -135,6 +139,7 @@ class ProbeCallback(TrainerCallback):
             self._rss_peak = P.peak_rss_bytes()
         else:
             self._times.append(elapsed)
+            self._cpu_times.append(cpu_elapsed)
             self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
         if step == self.warmup + self.steps - 1:
             self._done = True
@@ -162,6 +167,8 @@ class ProbeCallback(TrainerCallback):
             "components": r.components,
             "step_seconds": step_s,
             "step_seconds_profiled": self._profiled_time,
+            "step_seconds_all": list(self._times),
+            "step_cpu_seconds": statistics.median(self._cpu_times) if self._cpu_times else None,
             "timed_steps": len(self._times),
             "warmup_steps": self.warmup,
             "method": r.method,

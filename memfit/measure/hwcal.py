@@ -249,6 +249,8 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
         out["optimizer"][key] = adamw_seconds("cpu", timer)
         if t == 1:
             out["op_seconds"] = op_seconds("cpu", timer)
+            say("dispatch of transformers' Llama layers and PEFT adapters")
+            out["overheads"] = model_overheads("cpu", timer)
             say("NF4 dequantisation")
             out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer)}
     return out
@@ -263,7 +265,8 @@ def _cuda_part(say: Callable[[str], None]) -> dict:
     say("bandwidth, AdamW, copies, NF4 on the GPU")
     out = {"gemm": gemm, "attention": attention, "bandwidth": {"device": bandwidth_rate("cuda", timer)},
            "optimizer": {"device": adamw_seconds("cuda", timer)}, "op_seconds": op_seconds("cuda", timer),
-           "copies": copy_rates(timer), "dequant": {"nf4": nf4_dequant_rate("cuda", timer)}}
+           "copies": copy_rates(timer), "dequant": {"nf4": nf4_dequant_rate("cuda", timer)},
+           "overheads": model_overheads("cuda", timer)}
     torch.cuda.synchronize()
     return out
 
@@ -273,10 +276,13 @@ def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -
     GPU count where there are several, 2 on a CPU machine)."""
     from memfit.spec.hardware import local_fingerprint
 
+    from memfit.train.quiet import quiet_libraries
+
+    quiet_libraries()  # the import chatter of torchao / bitsandbytes / DeepSpeed: calibration runs silently
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    steps = 4 if cuda else 3 * len({1, cores}) + 2
+    steps = 4 if cuda else 3 * len({1, cores}) + 3
     count = [0]
 
     def say(what: str) -> None:
@@ -306,7 +312,8 @@ def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -
         device="cuda" if cuda else "cpu", measured_at=time.strftime("%Y-%m-%d"), cores=cores,
         gemm=part["gemm"], attention=part["attention"], bandwidth=part["bandwidth"],
         op_seconds=float(part["op_seconds"]), optimizer=optimizer, copies=part.get("copies", {}),
-        collectives=collectives, dequant=part.get("dequant", {}), fingerprint=local_fingerprint(),
+        collectives=collectives, dequant=part.get("dequant", {}), overheads=part.get("overheads", {}),
+        fingerprint=local_fingerprint(),
         took_seconds=round(time.perf_counter() - t0, 2))
 
 
@@ -323,3 +330,38 @@ def ensure_hardware_profile(force: bool = False, progress: Progress = None) -> t
     rates = calibrate_hardware(progress)
     hwprofile.save(rates)
     return rates, True
+
+
+def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
+    """Dispatch cost of transformers' own Llama code, forward + backward, at widths where compute is nil:
+    per decoder layer (from 2 vs 4 layers), the rest of the model (embedding, mask, norm, head, loss),
+    per LoRA-adapted linear (PEFT) and eager attention's extra per layer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    ids = torch.randint(0, 64, (1, 8), device=device)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def seconds(layers: int, lora: bool = False, attn: str = "sdpa") -> float:
+        cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+                          vocab_size=64, num_hidden_layers=layers, max_position_embeddings=64,
+                          attn_implementation=attn)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(device)
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=2, target_modules=targets, lora_dropout=0.0))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            for p in params:
+                p.grad = None
+        return timer(step, reps=7)
+    two, four = seconds(2), seconds(4)
+    layer = max(0.0, (four - two) / 2)
+    return {"layer": layer, "model": max(0.0, two - 2 * layer),
+            "adapter": max(0.0, (seconds(4, lora=True) - four) / (4 * len(targets))),
+            "eager_layer_extra": max(0.0, (seconds(4, attn="eager") - four) / 4)}

@@ -83,6 +83,9 @@ class HardwareRates:
     copies: dict = field(default_factory=dict)  # "h2d" / "d2h" pinned bytes/s (CUDA only)
     collectives: dict = field(default_factory=dict)  # str(world) -> {"backend", "bus_bytes_per_s", "latency_s"}
     dequant: dict = field(default_factory=dict)  # "nf4" -> dequantised elements/s (bitsandbytes)
+    overheads: dict = field(default_factory=dict)  # seconds of dispatch, forward + backward, of transformers'
+    # Llama code at nil widths: "layer" (per decoder layer), "model" (embedding, mask, norm, head, loss),
+    # "adapter" (per PEFT LoRA linear), "eager_layer_extra"
     fingerprint: str = ""
     took_seconds: float = 0.0
 
