@@ -23,10 +23,12 @@ LAYER_KN = 36_864
 
 
 def rates(**kw):
-    """A hand-made CPU profile: every GEMM 1e10 FLOP/s, attention 5e9, 1e10 B/s, 10 us per op."""
+    """A hand-made CPU profile: every GEMM 1e10 FLOP/s, SDPA 5e9 (eager 5e9 at s=4 falling to 1.25e9 at
+    s=16), 1e10 B/s, 10 us per op."""
     g = {"small": 1e10, "large": 1e10, "skinny": 1e9, "widths": {"small": 128.0, "large": 1024.0}}
     base = dict(device="cpu", measured_at="2026-11-30", cores=2, gemm={"1": {"fp32": g}, "2": {"fp32": g}},
-                attention={k: {"eager": {"fp32": 2.5e9}, "sdpa": {"fp32": 5e9}} for k in ("1", "2")},
+                attention={k: {"eager": {"fp32": {"4": 5e9, "16": 1.25e9}}, "sdpa": {"fp32": {"4": 5e9, "16": 5e9}}}
+                           for k in ("1", "2")},
                 bandwidth={"1": 1e10, "2": 1e10}, op_seconds=1e-5,
                 optimizer={"1": {"per_param": 1e-9, "per_tensor": 1e-5}, "2": {"per_param": 1e-9, "per_tensor": 1e-5},
                            "cpu_torch": 1e-9, "cpu_deepspeed": None},
@@ -80,7 +82,8 @@ def test_measured_rates_by_hand(monkeypatch):
     # dispatch as measured: per layer 1 ms + 7 adapters x 0.1 ms, + 2 ms for the rest of the model
     assert t["dispatch_seconds"] == pytest.approx(2 * (1e-3 + 7 * 1e-4) + 2e-3)
     assert t["trainer_seconds"] == pytest.approx(600 * 1e-5)
-    # eager attention: its rate and the extra dispatch per layer
+    # eager attention: its rate at s=8, log-interpolated between s=4 and 16 (sqrt(5e9 x 1.25e9) = 2.5e9),
+    # and the extra dispatch per layer
     e = estimate(TINY, cpu_pool(), st.model_copy(update={"attention": "eager"})).time
     assert e["attention_seconds"] == pytest.approx(2 * t["attention_seconds"])
     assert e["dispatch_seconds"] - t["dispatch_seconds"] == pytest.approx(2 * 5e-4)
@@ -205,7 +208,8 @@ def test_micro_benchmarks_return_rates():
     adam = H.adamw_seconds("cpu", timer)
     assert 0 < adam["per_param"] < 1e-6 and adam["per_tensor"] >= 0
     att = H.attention_rates("cpu", ["fp32"], timer)
-    assert att["eager"]["fp32"] > 1e8 and att["sdpa"]["fp32"] > 1e8
+    assert set(att["eager"]["fp32"]) == set(att["sdpa"]["fp32"]) == {"256", "1024"}
+    assert min(att["eager"]["fp32"].values()) > 1e8 and min(att["sdpa"]["fp32"].values()) > 1e8
 
 
 def test_gloo_collective_between_forked_processes():
@@ -213,3 +217,19 @@ def test_gloo_collective_between_forked_processes():
 
     c = H.collective_rates(2, "gloo")
     assert c["backend"] == "gloo" and c["bus_bytes_per_s"] > 1e6 and 0 < c["latency_s"] < 0.1
+
+
+def test_plan_batch_picks_the_fastest_micro_batch():
+    from memfit.plan.batch import micro_batches, plan_batch
+    from memfit.plan.search import plan
+
+    assert micro_batches(6) == [1, 2, 3, 6]
+    hw = parse_hardware("A100-80GB")
+    best = plan_batch(TINY, hw, seq_len=256, sequences=8, methods=["lora"])
+    rec = best.recommended.strategy
+    assert rec.micro_batch_size * rec.grad_accum == 8
+    for b in (1, 2, 4, 8):  # every option trains the same tokens per step; none is faster
+        p = plan(TINY, hw, seq_len=256, micro_batch_size=b, grad_accum=8 // b, methods=["lora"])
+        assert p.recommended.tokens_per_second <= best.recommended.tokens_per_second
+    assert {c.strategy.micro_batch_size for c in best.candidates} == {1, 2, 4, 8}
+    assert "micro-batch" in best.why[0]

@@ -68,8 +68,9 @@ def summary_lines(rates: Any, path: Any, fresh: bool) -> str:
             lines.append(f"  GEMM {dt:5s} {where}: small {g(row['small'])}  large {g(row['large'])}  "
                          f"skinny {g(row['skinny'])} GFLOP/s")
         att = rates.attention[k]
-        lines.append(f"  attention {where}: " + "  ".join(f"{kind} {dt} {g(v)}" for kind in ("eager", "sdpa")
-                                                       for dt, v in att[kind].items()) + " GFLOP/s")
+        lines.append(f"  attention {where}: " + "  ".join(
+            f"{kind} {dt} " + ("/".join(f"{g(r)} (s={s})" for s, r in v.items()) if isinstance(v, dict) else g(v))
+            for kind in ("eager", "sdpa") for dt, v in att[kind].items()) + " GFLOP/s")
         lines.append(f"  bandwidth {where}: {g(rates.bandwidth[k])} GB/s")
     lines.append(f"  one small op (forward + backward): {rates.op_seconds * 1e6:.1f} us")
     for world, c in (rates.collectives or {}).items():

@@ -38,7 +38,7 @@ class Speeds:
     width_small: float
     width_large: float
     gemm_skinny: float  # LoRA's rank-r products
-    attention: float  # FLOP/s of 12·b·H·s²·d for this attention kind
+    attention: tuple  # ((seq, FLOP/s of 12·b·H·s²·d), ...) for this attention kind, log-interpolated in seq
     bandwidth: float  # bytes/s of memory-bound elementwise work
     op_seconds: float  # dispatch of one small op, forward + backward
     overlap_dispatch: bool  # GPUs: kernels run while the host dispatches (step = max of the two)
@@ -54,6 +54,17 @@ class Speeds:
     # measured dispatch, forward + backward, of transformers' code (seconds): per decoder layer, the rest of
     # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
     overheads: Optional[tuple[float, float, float, float]] = None
+
+    def attention_rate(self, seq: float) -> float:
+        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
+        pts = self.attention
+        if len(pts) == 1 or seq <= pts[0][0]:
+            return pts[0][1]
+        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+            if seq <= s1:
+                f = math.log(seq / s0) / math.log(s1 / s0)
+                return math.exp((1 - f) * math.log(r0) + f * math.log(r1))
+        return pts[-1][1]
 
     def gemm(self, k: float, n: float) -> float:
         """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
@@ -112,9 +123,12 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
     a_all = _interp(rates.attention, threads) if cpu else rates.attention["device"]
     a_kind = a_all["eager" if attention == "eager" else "sdpa"]
     att = a_kind.get(dt)
-    if att is None:  # not measured in this dtype: fp32's figure x the dtype's GEMM gain
-        fp32 = a_kind.get("fp32") or next(iter(a_kind.values()))
-        att = fp32 * g["large"] / g_all["fp32"]["large"] if "fp32" in g_all else fp32
+    gain = 1.0
+    if att is None:  # not measured in this dtype: fp32's figures x the dtype's GEMM gain
+        att = a_kind.get("fp32") or next(v for k, v in a_kind.items())
+        gain = g["large"] / g_all["fp32"]["large"] if "fp32" in g_all else 1.0
+    curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in att.items())) if isinstance(att, dict) \
+        else ((1.0, float(att) * gain * scale),)
     bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
     coll = (rates.collectives or {}).get(str(hw.world_size))
@@ -123,7 +137,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
     return Speeds(
         basis=rates.basis, gemm_small=g["small"] * scale, gemm_large=g["large"] * scale,
         width_small=g["widths"]["small"], width_large=g["widths"]["large"], gemm_skinny=g["skinny"] * scale,
-        attention=att * scale, bandwidth=bw, op_seconds=rates.op_seconds / (share if cpu else 1.0),
+        attention=curve, bandwidth=bw, op_seconds=rates.op_seconds / (share if cpu else 1.0),
         overlap_dispatch=not cpu, adam_per_param=opt["per_param"] / share,
         adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
@@ -162,7 +176,7 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
     return Speeds(
         basis=UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
         width_small=p.gemm_small_width, width_large=p.gemm_large_width,
-        gemm_skinny=large * p.gemm_skinny_fraction, attention=att, bandwidth=bw, op_seconds=op_s,
+        gemm_skinny=large * p.gemm_skinny_fraction, attention=((1.0, att),), bandwidth=bw, op_seconds=op_s,
         overlap_dispatch=not gpu.is_cpu, adam_per_param=p.gpu_optimizer_seconds_per_param if not gpu.is_cpu
         else 4 * 8.0 / bw, adam_per_tensor=op_s, cpu_adam_per_param=1.0 / p.cpu_adam_params_per_second,
         bus_bandwidth=bus, collective_latency=p.collective_latency_seconds, h2d=pcie, d2h=pcie,

@@ -158,10 +158,11 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     dequant = 0.0
     if st.method == "qlora":
         dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
-    compute = dense_s + adapter_s + attn / sp.attention + mem / sp.bandwidth + dequant / sp.dequant
+    attn_s = attn / sp.attention_rate(s)
+    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
-            "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn / sp.attention,
+            "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
             "memory_bound_seconds": mem / sp.bandwidth, "dequant_seconds": dequant / sp.dequant,
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
 

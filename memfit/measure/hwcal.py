@@ -97,21 +97,25 @@ def _eager_attention(q, k, v, mask):
     return torch.matmul(probs, v)
 
 
-def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[str, float]]:
-    b, h, s, d = (2, 16, 2048, 128) if device == "cuda" else (1, 4, 512, 32)
-    out: dict[str, dict[str, float]] = {"eager": {}, "sdpa": {}, "shape": [b, h, s, d]}
+def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict]:
+    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches)."""
+    b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
+    out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
     for name in dtypes:
         dt = DTYPES[name]
-        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-        mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
-        g = torch.randn(b, h, s, d, device=device, dtype=dt)
-        flops = 12.0 * b * h * s * s * d
-        for kind, fn in (("eager", lambda: _eager_attention(q, k, v, mask)),
-                         ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
-            def step(fn=fn) -> None:
-                fn().backward(g)
-                q.grad = k.grad = v.grad = None
-            out[kind][name] = flops / timer(step)
+        for kind in ("eager", "sdpa"):
+            out[kind][name] = {}
+        for s in lengths:
+            q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+            mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
+            g = torch.randn(b, h, s, d, device=device, dtype=dt)
+            flops = 12.0 * b * h * s * s * d
+            for kind, fn in (("eager", lambda: _eager_attention(q, k, v, mask)),
+                             ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
+                def step(fn=fn) -> None:
+                    fn().backward(g)
+                    q.grad = k.grad = v.grad = None
+                out[kind][name][str(s)] = flops / timer(step, reps=3)
     return out
 
 
