@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -77,11 +78,17 @@ class Speeds:
 
 
 def threads_per_process(hw: HardwareSpec) -> int:
-    """Threads each CPU process runs: OMP_NUM_THREADS, else cores // processes (memfit's launcher; one
-    process uses all cores)."""
+    """Threads each CPU process runs: OMP_NUM_THREADS, else (in a process that imported torch) torch's
+    thread count, else cores // processes (memfit's launcher; one process uses all cores)."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
+    torch = sys.modules.get("torch")  # inside a training process: the threads it really runs (memfit's
+    if torch is not None and hw.gpus_per_node == 1:  # trainer may pick fewer on a busy machine); never imported here
+        try:
+            return max(1, int(torch.get_num_threads()))
+        except Exception:  # a partly imported torch: fall back to the launcher's rule
+            pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, hw.gpus_per_node))
 
@@ -186,7 +193,7 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
 def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
     """Measured speeds for a calibrated 'local' pool of the same device kind, else the catalog's."""
     rates: Optional[Any] = getattr(hw, "rates", None)
-    key = (hw, id(rates), precision, attention, profile)
+    key = (hw, id(rates), precision, attention, profile, threads_per_process(hw) if rates is not None else 0)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is rates:
         return hit[1]
