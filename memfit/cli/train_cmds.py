@@ -34,12 +34,6 @@ def _run_training(run, *, resume: bool, as_json: bool, callbacks: list | None = 
     from memfit.train.api import train
     from memfit.train.callbacks import RichProgress
 
-    if str(run.hardware).lower() in ("local", "auto"):  # the summary's prediction: measured speeds
-        from memfit.cli.hardware_cmds import with_local_rates
-        from memfit.spec.hardware import parse_hardware
-
-        with_local_rates(parse_hardware("local", cpu_ram=run.cpu_ram), quiet=as_json)
-
     cbs = list(callbacks or [])
     if not as_json:
         from memfit.cli.output import console
