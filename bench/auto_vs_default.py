@@ -13,7 +13,9 @@ steps), the same RAM budget given to the planner (``--cap``, as `memfit train --
 * **slowest** — the slowest combination the planner says fits under the cap (same search).
 
 Each trains through `memfit train ... --json` in its own process; tokens/s = tokens per step / median
-step time (first step left out); peak RSS is the process's. Prints the predicted figures beside them.
+step time (first step left out), by wall clock and by process CPU time (the steadier figure on a shared
+machine; equal to wall on a quiet one with one thread); peak RSS is the process's. Prints the predicted
+figures beside them.
 """
 
 from __future__ import annotations
@@ -102,22 +104,31 @@ def main() -> int:
     print(f"cap {args.cap}; {args.sequences} x {args.seq_len} tokens per step, {args.steps} steps; "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; load {os.getloadavg()[0]:.1f}")
     print(f"{'run':8s} {'combination':44s} {'mb x ga':>7s} {'pred tok/s':>10s} {'tok/s':>8s} {'step ms':>8s} "
-          f"{'peak RSS':>9s} {'<= cap':>6s}")
-    base = None
+          f"{'tok/s CPU':>9s} {'CPU ms':>7s} {'peak RSS':>9s} {'<= cap':>6s}")
+    wall, cpu = {}, {}
     for name, r in rows:
         pred = r.get("predicted") or {}
         st = pred.get("strategy") or {}
-        step = r.get("step_time_s") or float("nan")
-        tps = tokens / step
-        base = tps if name == "default" else base
+        step, cstep = r.get("step_time_s") or float("nan"), _cpu_step(r)
+        wall[name], cpu[name] = tokens / step, tokens / cstep
         print(f"{name:8s} {r.get('method', ''):8s} {_label(st):35s} {st.get('micro_batch_size', '?')}x{st.get('grad_accum', '?'):<5} "
-              f"{(pred.get('time') or {}).get('tokens_per_second', float('nan')):10.0f} {tps:8.0f} {step * 1e3:8.0f} "
-              f"{r['peak_mem_bytes'] / 1e9:7.2f}GB {'yes' if r['peak_mem_bytes'] <= cap else 'NO':>6s}")
-    auto_tps = tokens / rows[0][1]["step_time_s"]
-    slow_tps = tokens / rows[2][1]["step_time_s"]
-    print(f"auto / default: {auto_tps / base:.2f}x (target >= 1.3x); auto / slowest: {auto_tps / slow_tps:.2f}x")
+              f"{(pred.get('time') or {}).get('tokens_per_second', float('nan')):10.0f} {wall[name]:8.0f} {step * 1e3:8.0f} "
+              f"{cpu[name]:9.0f} {cstep * 1e3:7.0f} {r['peak_mem_bytes'] / 1e9:7.2f}GB "
+              f"{'yes' if r['peak_mem_bytes'] <= cap else 'NO':>6s}")
+    for what, d in (("wall", wall), ("CPU time", cpu)):
+        print(f"by {what}: auto / default {d['auto'] / d['default']:.2f}x (target >= 1.3x); "
+              f"auto / slowest {d['auto'] / d['slowest']:.2f}x")
     print(f"time basis: {((rows[0][1].get('predicted') or {}).get('time') or {}).get('basis')}")
     return 0
+
+
+def _cpu_step(summary: dict) -> float:
+    """Median process CPU seconds per step (first left out), from the run's metrics.jsonl."""
+    import statistics
+
+    rows = [json.loads(x) for x in Path(summary["metrics_file"]).read_text().splitlines() if x.strip()]
+    cpu = [r["step_cpu_s"] for r in rows if "step_cpu_s" in r]
+    return statistics.median(cpu[1:] if len(cpu) > 2 else cpu) if cpu else float("nan")
 
 
 def _label(st: dict) -> str:
