@@ -192,34 +192,3 @@ def test_meft_traffic_by_hand():
     # adapter FLOPs: every token meets the 4 buffered rows of both matrices, x3 with backward, 2 layers,
     # plus the router trained like any parameter (6 FLOPs per parameter and token); 4 tokens
     assert est.time["adapter_flops"] == 4 * (12 * 64 * 4 * 2 + 6 * 2 * 64 * 4)
-
-
-def test_time_parts_by_hand():
-    prof = Profile(utilization=0.5, utilization_half_tokens=0.0, gpu_optimizer_seconds_per_param=0.0)
-    est = estimate(TINY, GPU1, Strategy(**BASE), profile=prof)
-    # matmul params = P - input embedding (6400) = 80,448; 6 x 80,448 x 8 tokens
-    dense = 6 * 80_448 * 8
-    attn = 3 * 4 * 8 * 8 * 64 * 2  # 4·s²·(heads·head_dim) per layer, fwd + bwd = x3, 2 layers
-    assert est.time["flops_per_gpu"] == dense + attn
-    assert est.step_seconds == pytest.approx((dense + attn) / (312e12 * 0.5))
-    assert est.to_dict()["floors"]["step_seconds"] == pytest.approx((dense + attn) / 312e12)
-
-
-def test_communication_and_offload_time_by_hand():
-    P = 86_848
-    st = Strategy(**{**BASE, "zero_stage": 2, "grad_accum": 2})
-    t = estimate(TINY, parse_hardware("2xA100-80GB"), st, profile=PROFILE).time
-    # ZeRO-2: reduce-scatter 2 B grads every micro-batch + all-gather 2 B params at the step = 6P bytes;
-    # a ring moves (N-1)/N of it over NVLink (300 GB/s x 0.7); half of it hidden behind compute
-    assert t["comm_seconds"] == pytest.approx(6 * P * 0.5 / (300e9 * 0.7))
-    assert t["comm_exposed_seconds"] == pytest.approx(t["comm_seconds"] * 0.5)
-    # two nodes of one GPU each: the 100 Gb/s network (12.5 GB/s x 0.8) is the slower link
-    t2 = estimate(TINY, parse_hardware("2x1xA100-80GB"), st, profile=PROFILE).time
-    assert t2["comm_seconds"] == pytest.approx(6 * P * 0.5 / (12.5e9 * 0.8))
-    # optimizer offload: grads down every micro-batch (2 x P/2 x 2 B) + params up once (P/2 x 2 B) over
-    # PCIe (32 GB/s x 0.75), 30 % hidden; CPU Adam on the P/2 partition at 3e8 params/s
-    st = Strategy(**{**BASE, "zero_stage": 2, "grad_accum": 2, "offload": "optimizer"})
-    t = estimate(TINY, parse_hardware("2xA100-80GB"), st, profile=PROFILE).time
-    assert t["offload_seconds"] == pytest.approx((2 * P / 2 * 2 + P / 2 * 2) / (32e9 * 0.75) * 0.7)
-    assert t["cpu_optimizer_seconds"] == pytest.approx(P / 2 / 3e8)
-    assert t["gpu_optimizer_seconds"] == 0

@@ -144,7 +144,7 @@ def test_processes_on_the_cpu_share_ram_and_cores():
     # each torchrun rank: the CPU process baseline + its process group and engine imports
     assert two.cpu["process_baseline"] == 2 * (one.cpu["process_baseline"] + 0.12e9)
     assert one.cpu["process_baseline"] == 0.6e9  # a CPU-only process: no CUDA libraries or context
-    assert two.time["achieved_flops_per_second"] == one.time["achieved_flops_per_second"] / 2
+    assert two.time["matmul_seconds"] == pytest.approx(2 * one.time["matmul_seconds"])  # cores shared
     small = estimate(m, parse_hardware("2xCPU", cpu_ram="40GB"),
                      Strategy(method="lora", precision="fp32", fsdp="full_shard"))
     assert not small.fits and "model 2 x" in small.reasons[0]
@@ -172,7 +172,7 @@ def test_every_combination_is_well_formed():
                 assert g["peak_concurrency"] <= 1e-6 * g["total"]
                 assert all(v >= 0 for k, v in g.items() if k != "peak_concurrency")
                 assert all(v >= 0 for v in est.cpu.values())
-                assert all(math.isfinite(v) for v in est.time.values()) and est.step_seconds > 0
+                assert all(math.isfinite(v) for v in est.time.values() if not isinstance(v, str)) and est.step_seconds > 0
                 count += 1
     assert count > 1000
 

@@ -175,7 +175,11 @@ def _strategy_keys(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def calibrate_cmd(
-    runs: Path = typer.Option(..., "--runs", help="Folder of measurements (from `memfit measure --out`)."),
+    runs: Optional[Path] = typer.Option(None, "--runs", help="Folder of measurements (from `memfit measure --out`)."),
+    hardware: bool = typer.Option(False, "--hardware", help="Time this machine's GEMMs, attention, bandwidth, "
+                                  "optimizer, copies and collectives (~20 s) into the cached hardware profile "
+                                  "the time model uses for --gpus local."),
+    force: bool = typer.Option(False, "--force", help="With --hardware: measure again even if cached."),
     out: Path = typer.Option(Path("calibrated.json"), "--out", help="Profile file to write."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Start from this profile (default: built-in)."),
     memory_constants: Optional[str] = typer.Option(None, "--memory-constants", help="Comma-separated "
@@ -188,7 +192,19 @@ def calibrate_cmd(
                                                  "utilization_cpu; 'none' to skip)."),
     json_: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
-    """Fit the estimator's free constants to saved measurements; write a profile for --profile."""
+    """Measure this machine (--hardware), or fit the estimator's free constants to saved measurements
+    (--runs) and write a profile for --profile."""
+    from memfit.errors import ConfigError
+
+    if hardware:
+        from memfit.cli.hardware_cmds import calibrate_hardware_cmd
+
+        calibrate_hardware_cmd(force, json_)
+        if runs is None:
+            return
+    if runs is None:
+        raise ConfigError("calibrate: give --hardware (time this machine) or --runs DIR (fit the constants "
+                          "to measurements from `memfit measure --out DIR`)")
     from memfit.cli.output import print_json
     from memfit.estimate.constants import Profile
     from memfit.measure.calibrate import (DEFAULT_PLAN, calibrate, load_records, run_estimate_fn, save_profile,

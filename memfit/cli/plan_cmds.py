@@ -117,7 +117,9 @@ def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Option
         raise ConfigError("--gpus is empty; give a pool such as 8xA100-80GB or 2x8xV100-32GB, or local")
     spec = resolve_model(model)
     hw = parse_hardware(gpus or "local", cpu_ram=cpu_ram, nodes=nodes)
-    return spec, hw, _profile(profile)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    return spec, with_local_rates(hw), _profile(profile)
 
 
 def _profile(path: Optional[Path]) -> Any:
@@ -274,7 +276,9 @@ def matrix_cmd(
     from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, STUDY_METHODS, STUDY_ZERO_STAGES, matrix
     from memfit.spec.hardware import parse_hardware
 
-    hw = parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    hw = with_local_rates(parse_hardware(gpus, cpu_ram=cpu_ram, nodes=nodes))
     prof = _profile(profile)
     offloads = ("none",) if no_offload else ("none", "optimizer", "optimizer+params") if param_offload \
         else ("none", "optimizer")

@@ -101,10 +101,12 @@ def summary_table(d: dict, hardware: Any) -> Table:
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
-                 for k in ("compute_seconds", "comm_exposed_seconds", "offload_seconds", "cpu_optimizer_seconds",
-                           "gpu_optimizer_seconds", "meft_seconds") if time.get(k)]
+                 for k in ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds",
+                           "offload_seconds", "cpu_optimizer_seconds", "meft_seconds") if time.get(k)]
         t.add_row("step time", f"{time['step_seconds']:.3f} s per optimizer step, "
                                f"{_rate(time.get('tokens_per_second', 0))} tokens/s  ({' + '.join(parts)})")
+        if time.get("basis"):
+            t.add_row("time basis", time["basis"])
     floors = d.get("floors") or {}
     if floors:
         t.add_row("floors", f"memory {_gb(floors.get('memory_bytes'))} GB per GPU (frozen weights at their "
@@ -162,6 +164,9 @@ def show_plan(p: Any, *, top: int = 8, emitted: list = (), run: Optional[dict] =
     if rec is not None:
         console.print(_memory_table(rec.to_dict(), p.hardware))
         console.print(candidates_table(p.candidates, top, p.hardware))
+        basis = d.get("time", {}).get("basis")
+        if basis:
+            console.print(f"[dim]step times: {basis}[/dim]")
     if run:
         cost = f", {run['cost']:.2f} at the given GPU-hour price" if run.get("cost") is not None else ""
         console.print(f"[bold]Run:[/bold] {run['steps']:,} steps of {run['tokens_per_step']:,} tokens = "

@@ -67,16 +67,24 @@ def _show(result, as_json: bool) -> None:
         print_summary(result)
 
 
-def local_plan(model: str, seq_len: int, micro_batch_size: int, methods: Optional[list[str]] = None):
-    """The planner's Plan for this machine."""
+def local_plan(model: str, seq_len: int, micro_batch_size: int, methods: Optional[list[str]] = None,
+               sequences: Optional[int] = None, cpu_ram: Optional[str] = None):
+    """The planner's Plan for this machine. ``sequences``: plan that many sequences per optimizer step
+    (micro-batch × accumulation chosen too); ``cpu_ram``: the RAM budget to plan under."""
+    from memfit.plan.batch import plan_batch
     from memfit.plan.search import plan
     from memfit.spec.hardware import parse_hardware
     from memfit.spec.model import resolve_model
 
-    kwargs: dict[str, Any] = dict(seq_len=seq_len, micro_batch_size=micro_batch_size)
+    kwargs: dict[str, Any] = dict(seq_len=seq_len)
     if methods:
         kwargs["methods"] = methods
-    return plan(resolve_model(model), parse_hardware("local"), **kwargs)
+    from memfit.cli.hardware_cmds import with_local_rates
+
+    hw = with_local_rates(parse_hardware("local", cpu_ram=cpu_ram))
+    if sequences:
+        return plan_batch(resolve_model(model), hw, sequences=sequences, **kwargs)
+    return plan(resolve_model(model), hw, micro_batch_size=micro_batch_size, **kwargs)
 
 
 def print_plan(p) -> None:
@@ -94,18 +102,20 @@ def print_plan(p) -> None:
 
 
 def _auto_run(model: Optional[str], data: Optional[str], out: Optional[str], seq_len: int,
-              micro_batch_size: int, methods: Optional[str], overrides: list[str], as_json: bool):
+              micro_batch_size: int, methods: Optional[str], overrides: list[str], as_json: bool,
+              sequences: Optional[int] = None, cpu_ram: Optional[str] = None):
     from memfit.spec.run import run_from_dict
 
     if not model:
         raise ConfigError("--auto needs --model DIR (a local model folder with weights)")
-    p = local_plan(model, seq_len, micro_batch_size, methods.split(",") if methods else None)
+    p = local_plan(model, seq_len, micro_batch_size, methods.split(",") if methods else None,
+                   sequences=sequences, cpu_ram=cpu_ram)
     if p.recommended is None:
         raise MemfitError(f"--auto: no strategy fits this machine for {model} at seq_len={seq_len}, "
                           f"micro_batch_size={micro_batch_size}; see `memfit plan --model {model} --gpus local`")
     if not as_json:
         print_plan(p)
-    raw = {"model": model, "hardware": "local", "data": {"path": data},
+    raw = {"model": model, "hardware": "local", "data": {"path": data}, "cpu_ram": cpu_ram,
            "strategy": p.recommended.strategy.model_dump(mode="json"),
            "output_dir": out or "runs/auto"}
     return run_from_dict(raw, overrides, source="--auto")
@@ -122,6 +132,11 @@ def train_command(
     seq_len: int = typer.Option(512, "--seq-len", help="With --auto: sequence length to plan for."),
     micro_batch_size: int = typer.Option(1, "--micro-batch-size", help="With --auto: micro-batch to plan for."),
     methods: Optional[str] = typer.Option(None, "--methods", help="With --auto: e.g. lora,qlora."),
+    sequences_per_step: Optional[int] = typer.Option(None, "--sequences-per-step", help="With --auto: "
+                                                     "sequences per optimizer step; the planner also picks "
+                                                     "micro-batch x accumulation."),
+    cpu_ram: Optional[str] = typer.Option(None, "--cpu-ram", help="With --auto: the RAM budget to plan "
+                                          "under, e.g. 4GB (default: this machine's RAM)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes on this node; >1 launches torchrun "
                                         "(default: the run file's distributed.nproc, else 1)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: distributed.nodes)."),
@@ -144,7 +159,8 @@ def train_command(
     if auto:
         if run_file is not None:
             raise ConfigError("give either a run file or --auto, not both")
-        run = _auto_run(model, data, out, seq_len, micro_batch_size, methods, overrides, as_json)
+        run = _auto_run(model, data, out, seq_len, micro_batch_size, methods, overrides, as_json,
+                        sequences_per_step, cpu_ram)
         run_path = None
     else:
         if run_file is None:

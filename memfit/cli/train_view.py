@@ -89,6 +89,8 @@ def print_summary(r: Any) -> None:
                       "compares them at the allocator level.[/dim]")
     if not d.get("predicted"):
         console.print("[dim]No prediction: the planner (memfit.estimate) gave none for this model here.[/dim]")
+    elif (d["predicted"].get("time") or {}).get("basis"):
+        console.print(f"[dim]predicted step time: {d['predicted']['time']['basis']}[/dim]")
     for note in d.get("notes") or []:
         console.print(f"[yellow]note:[/yellow] {note}")
     if d.get("resumed_from"):

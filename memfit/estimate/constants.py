@@ -29,6 +29,20 @@ class Profile:
     qlora_dequant_slowdown: float = 1.3  # NF4 dequantisation makes frozen matmuls this much slower (bitsandbytes reports 1.2–1.5x)
     eager_attention_slowdown: float = 1.5  # eager attention (materialised s²) runs its FLOPs this much slower than fused kernels (guess)
     gpu_optimizer_seconds_per_param: float = 2e-11  # GPU optimizer step: ~32 B read+written per param at ~1.5 TB/s
+    # ---- time: the parts of the uncalibrated model (catalog GPUs, an uncalibrated CPU; docs/time.md) ---------
+    utilization_attention_fused: float = 0.5  # fused attention (SDPA / FlashAttention-2) FLOP/s as a fraction of the 16-bit peak, forward + backward (FA2 paper, arXiv 2307.08691: 50-73 % of A100 peak forward, ~45-60 % backward)
+    gemm_small_fraction: float = 0.5  # a linear of width gemm_small_width runs at this fraction of a large one (cuBLAS tile occupancy; guess, `memfit calibrate --hardware` measures it)
+    gemm_skinny_fraction: float = 0.1  # LoRA's rank-r products: memory-bound, ~2r FLOP per 2-byte value read (r=16: ~16 FLOP/B x 2 TB/s ~ 10 % of an A100's 312 TFLOP/s: roofline)
+    gemm_small_width: float = 512.0  # width sqrt(k·n) of a "small" linear (as calibrated on GPUs)
+    gemm_large_width: float = 4096.0  # width of a "large" linear
+    memory_bandwidth_efficiency: float = 0.8  # achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies reach 80-90 %)
+    default_memory_bandwidth: float = 600e9  # bytes/s for a GPU missing from the bandwidth table (A10G-class)
+    kernel_launch_seconds: float = 2e-5  # GPUs: host dispatch of one op forward + backward (PyTorch eager: ~5-10 us per launch)
+    collective_latency_seconds: float = 3e-5  # NCCL all-reduce latency of a small message within a node (nccl-tests: 10-50 us)
+    cpu_bandwidth: float = 10e9  # uncalibrated CPU pseudo-device: bytes/s of elementwise work (order of magnitude)
+    cpu_op_seconds: float = 1.2e-5  # uncalibrated CPU: one small op forward + backward (this project's 2-core machine: 12 us, memfit calibrate --hardware)
+    trainer_step_ops: float = 600.0  # the HF Trainer's own work per optimizer step (loop, callbacks, scheduler, logging, clipping's Python), in small-op costs: memfit's trainer on a 2-layer h16 Llama took ~10 ms more per step than the bare loop on this machine, where one op costs ~16 us (docs/time.md)
+    overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
     # ---- time: communication ------------------------------------------------------------------------
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
     inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth

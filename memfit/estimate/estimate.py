@@ -326,55 +326,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "offloaded_gradients": procs * cpu_grads, "offloaded_params": procs * cpu_params,
                  "pinned_buffers": procs * pinned, "meft_store": procs * meft_store, "total": cpu_total}
 
-    # ---- time -----------------------------------------------------------------------------------
-    tokens_micro = float(b) * s
-    eff = T.effective_flops(hardware, prec, tokens_micro, p)
-    adapter_fpt = 0.0
+    # ---- time (memfit.estimate.timing: parts at measured or catalog speeds) ----------------------
+    mt = None
     if method == "meft":
-        # each token meets every buffered row: 2·d·rows per matrix (keys, values), x3 with backward
-        adapter_fpt = 12.0 * model.hidden * rows * model.layers
-    small_trained = adapter_params + (p_t if method == "meft" else 0.0)  # LoRA adapters or MEFT's router
-    dense, attn, adapter = T.step_flops(model, s, b, ga, method == "full", small_trained, gc, adapter_fpt)
-    if st.loss == "chunked":  # backward recomputes each chunk's logits: one more output projection
-        dense += T.chunked_loss_flops(model, tokens_micro * ga)
-    slow_dense = p.qlora_dequant_slowdown if method == "qlora" else 1.0
-    slow_attn = p.eager_attention_slowdown if attention == "eager" else 1.0
-    compute_s = (dense * slow_dense + attn * slow_attn + adapter) / eff
-    floor_flops = dense + attn + adapter
-    peak = gpu.fp32_flops / per_node if gpu.is_cpu else gpu.fp32_flops if prec == "fp32" else gpu.peak_flops
-    floor_s = floor_flops / peak
-
-    gather_all = compute_all if family == "fsdp" else weights_all
-    cbytes = T.comm_bytes(engine, P, gather_all, p_t, g_comm, min(w_b, half), ga, gc) if n > 1 else 0.0
-    comm_s = T.collective_seconds(cbytes, hardware, p)
-    exposed_comm = comm_s * (1.0 - T.overlap_for(engine, p))
-    pcie_b = 0.0
-    cpu_opt_s = 0.0
-    gpu_opt_s = 0.0
-    if off_opt:
-        pcie_b += ga * p_t / n * g_b + p_t / n * w_b
-        cpu_opt_s = (p_t / n) / p.cpu_adam_params_per_second
-    else:
-        gpu_opt_s = p_t / (n if shard_o else 1) * p.gpu_optimizer_seconds_per_param
-    if off_par:
-        pcie_b += ga * (3.0 if gc else 2.0) * weights_all / n
-    offload_s = T.pcie_seconds(pcie_b, hardware, p) * (1.0 - p.overlap_offload)
-    traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
-    meft_s = 0.0
-    if method == "meft":
-        mt = meft_traffic_bytes(model, st, p)
-        traffic["h2d"], traffic["d2h"] = mt["h2d"], mt["d2h"]
-        experts = M.meft_experts(st.meft_neurons, st.meft_experts)
-        search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
-        cpu_search = ga * tokens_micro * model.layers * search / p.meft_cpu_flops
-        cpu_update = ga * model.layers * 2.0 * rows * model.hidden / p.cpu_adam_params_per_second
-        meft_s = T.pcie_seconds(mt["h2d"] + mt["d2h"], hardware, p) * (1.0 - p.meft_overlap) + cpu_search + cpu_update
-    step = compute_s + exposed_comm + offload_s + cpu_opt_s + gpu_opt_s + meft_s
-    time = {"step_seconds": step, "tokens_per_second": n * b * ga * s / step if step > 0 else 0.0,
-            "compute_seconds": compute_s, "comm_seconds": comm_s, "comm_exposed_seconds": exposed_comm,
-            "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "gpu_optimizer_seconds": gpu_opt_s,
-            "meft_seconds": meft_s, "flops_per_gpu": floor_flops, "dense_flops": dense, "attention_flops": attn,
-            "adapter_flops": adapter, "achieved_flops_per_second": eff}
+        mt = {**meft_traffic_bytes(model, st, p), "experts": M.meft_experts(st.meft_neurons, st.meft_experts)}
+    timed = T.step_time(model, hardware, st, p, engine=engine, p_t=p_t, adapted=adapted,
+                        gather_bytes=compute_all if family == "fsdp" else weights_all, g_comm=g_comm,
+                        w_comm=min(w_b, half), shard_o=shard_o, meft_rows=rows, meft_traffic=mt)
+    time, traffic, floor_s = timed["time"], timed["traffic"], timed["floor_seconds"]
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)

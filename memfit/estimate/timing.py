@@ -1,62 +1,34 @@
-"""Time of one optimizer step (= grad_accum micro-batches on every GPU), by part.
+"""Time of one optimizer step (= grad_accum micro-batches on every GPU / process), built from its parts.
 
-FLOPs: 6·P per token for full fine-tuning (forward 2, backward 4), 4·P with frozen weights (no weight
-gradients) + 6·P_adapter, + 2·P with recomputation; attention 4·s²·(heads·head_dim) per layer and
-sequence forward, ×3 with backward (+1 forward with recomputation). Divided by peak × utilisation.
-Communication per GPU follows the ring collectives of each engine; only the part not hidden by
-overlap counts. Offload adds PCIe traffic and the CPU optimizer; MEFT adds its PCIe traffic and CPU
-search. Every constant is in :class:`~memfit.estimate.constants.Profile`.
+Per micro-batch of T = b·s tokens, each part at the speed that bounds it (memfit.estimate.speeds):
+
+* **matmuls** — every linear, 2·T·k·n FLOPs forward, + the input gradient, + the weight gradient if it is
+  trained, + one more forward under checkpointing, at the GEMM rate of its width (LoRA's rank-r products at
+  the skinny rate); the output head likewise (never recomputed);
+* **attention** — 12·b·H·s²·d FLOPs forward + backward (+4 with recomputation) at the attention kind's rate;
+* **memory-bound work** — norms, residual adds, RoPE, the MLP activation, layout copies, LoRA's dropout /
+  casts, the loss over b·s·V logits: bytes read + written (counted from transformers' Llama code) at the
+  measured bandwidth, ×3 with backward (+1 forward with recomputation);
+* **dispatch** — ~one small-op cost per module call (forward + backward); on GPUs it overlaps the kernels
+  (a micro-batch costs the larger of the two), on a CPU it adds;
+* **QLoRA** — NF4 dequantisation of every frozen linear per use (forward, input gradient, recomputation).
+
+Per step: the optimizer (AdamW per parameter and per tensor), gradient clipping and accumulation, the
+engine's collectives (bytes per GPU of its ring collectives, latency per call) less what overlaps, offload
+traffic and the CPU optimizer, MEFT's transfers and CPU search, and the Trainer's own loop.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from memfit.estimate.constants import Profile
+from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
 
-
-def effective_flops(hw: HardwareSpec, precision: str, tokens_per_micro: float, profile: Profile) -> float:
-    """Achieved FLOP/s of one device for this precision and micro-batch size."""
-    gpu = hw.gpu
-    if gpu.is_cpu:  # a CPU is saturated by small matmuls already; N processes share its cores
-        return gpu.fp32_flops * profile.utilization_cpu / hw.gpus_per_node
-    if precision == "fp32":
-        base = gpu.fp32_flops * profile.utilization_fp32
-    else:
-        base = gpu.peak_flops * profile.utilization
-    half = profile.utilization_half_tokens
-    return base * tokens_per_micro / (tokens_per_micro + half) if half > 0 else base
-
-
-def step_flops(model: ModelSpec, s: int, b: int, ga: int, full: bool, adapter_params: float,
-               checkpointing: bool, adapter_flops_per_token: float = 0.0) -> tuple[float, float, float]:
-    """(dense FLOPs, attention FLOPs, adapter FLOPs) per GPU per optimizer step."""
-    tokens = float(b) * s * ga
-    p = model.matmul_parameters
-    per_tok = (6.0 if full else 4.0) * p + (2.0 * p if checkpointing else 0.0)
-    attn_fwd = 4.0 * s * s * model.q_dim * model.layers  # per sequence
-    attn = b * ga * attn_fwd * (4.0 if checkpointing else 3.0)
-    adapter = tokens * (6.0 * adapter_params + adapter_flops_per_token)
-    return tokens * per_tok, attn, adapter
-
-
-def chunked_loss_flops(model: ModelSpec, tokens: float) -> float:
-    """The chunked loss's recomputation (memfit.train.loss): each chunk's logits are computed again in
-    backward, one more forward of the output projection, 2·V·h FLOPs per token (tied head included)."""
-    return 2.0 * tokens * model.vocab * model.hidden
-
-
-def collective_seconds(bytes_per_gpu: float, hw: HardwareSpec, profile: Profile) -> float:
-    """Ring collective time for ``bytes_per_gpu`` of payload ((N−1)/N of it crosses each link)."""
-    n = hw.world_size
-    if n <= 1 or bytes_per_gpu <= 0:
-        return 0.0
-    if hw.nodes > 1:
-        bw = min(hw.inter_node_bandwidth * profile.inter_node_efficiency,
-                 hw.gpu.intra_node_bandwidth * profile.intra_node_efficiency)
-    else:
-        bw = hw.gpu.intra_node_bandwidth * profile.intra_node_efficiency
-    return bytes_per_gpu * (n - 1) / n / bw
+BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
 
 
 def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
@@ -80,7 +52,19 @@ def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     return ga * (gathers * weight_bytes_all + p_t * g_b)
 
 
-def overlap_for(engine_kind: str, profile: Profile) -> float:
+def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool) -> float:
+    """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers."""
+    calls = math.ceil(nbytes / BUCKET_BYTES) if nbytes > 0 else 0
+    if engine_kind == "zero3":
+        calls += ga * layers * (4 if checkpointing else 3)
+    elif engine_kind in ("zero2", "sgo"):
+        calls += ga * layers
+    return float(calls)
+
+
+def overlap_for(engine_kind: str, profile: Profile, cpu: bool = False) -> float:
+    if cpu:
+        return profile.overlap_cpu_comm
     if engine_kind == "ddp":
         return profile.overlap_ddp
     if engine_kind in ("zero1", "zero2", "sgo"):
@@ -88,5 +72,175 @@ def overlap_for(engine_kind: str, profile: Profile) -> float:
     return profile.overlap_zero3
 
 
-def pcie_seconds(nbytes: float, hw: HardwareSpec, profile: Profile) -> float:
-    return nbytes / (hw.gpu.pcie_bandwidth * profile.pcie_efficiency) if nbytes > 0 else 0.0
+def elementwise_bytes(model: ModelSpec, e: float) -> float:
+    """Bytes read + written by one layer's memory-bound forward work per token, ``e`` bytes per value.
+
+    RMSNorm (fp32 inside: upcast, square, mean, scale, downcast, weight: 28 + 4e per value), two residual
+    adds (3 passes each), RoPE on q and k (~8 passes), q/k/v layout copies for attention and the output's
+    (2 passes each), the gated activation silu(gate)·up (5 passes; 2 for a plain GELU MLP), GQA's
+    repeat_kv copies (2 passes of k and v at the query width).
+    """
+    h, q, kv, ff = model.hidden, model.q_dim, model.kv_dim, model.intermediate
+    norm = model.norms_per_layer * (28.0 + 4.0 * e) * h
+    act = (5.0 if model.mlp in ("swiglu", "geglu") else 2.0) * e * ff
+    repeat = 2.0 * e * 2 * q if model.kv_heads < model.heads else 0.0
+    return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat
+
+
+def ops_per_layer(model: ModelSpec, adapted: int, eager: bool) -> float:
+    """Module / function calls of one layer's forward (each with its backward): norms 7 each, 4 attention
+    linears, RoPE ~12, attention 4 (eager 9), residuals 2, the MLP's linears + act + product, ~8 views;
+    a LoRA-adapted linear adds dropout, A, B, scale, add, cast."""
+    mlp = len(model.linears) - 4 + 2
+    return model.norms_per_layer * 7 + 4 + 12 + (9 if eager else 4) + 2 + mlp + 8 + 6 * adapted
+
+
+RECOMPUTE_DISPATCH = 0.4  # a recomputed layer forward costs this fraction of its forward + backward dispatch
+# (the forward issues ~40 % of the ops of forward + backward: autograd's nodes mirror most forward ops)
+
+
+def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc: bool) -> float:
+    """Host-side cost of one micro-batch's forward + backward: measured per transformers layer / PEFT
+    adapter where calibrated, else op counts x the per-op cost."""
+    L, redo = model.layers, 1.0 + (RECOMPUTE_DISPATCH if gc else 0.0)
+    if sp.overheads is not None:
+        layer, rest, adapter, eager_extra = sp.overheads
+        return L * redo * (layer + adapted * adapter + (eager_extra if eager else 0.0)) + rest
+    ops = ops_per_layer(model, adapted, eager) * L * redo + 20.0
+    return ops * sp.op_seconds
+
+
+_SUMS: dict = {}
+
+
+def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
+    """(Σ k·n, Σ k·n / GEMM rate, Σ (k + n) of the adapted) over one layer's linears (cached: plans
+    estimate thousands of combinations)."""
+    key = (id(model), sp, adapted)
+    hit = _SUMS.get(key)
+    if hit is None or hit[0] is not model:
+        lins = model.linears
+        hit = (model, (sum(x.in_features * x.out_features for x in lins),
+                       sum(x.in_features * x.out_features / sp.gemm(x.in_features, x.out_features) for x in lins),
+                       sum(x.in_features + x.out_features for x in lins if x.name in adapted)))
+        if len(_SUMS) > 4096:
+            _SUMS.clear()
+        _SUMS[key] = hit
+    return hit[1]
+
+
+def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, adapted: frozenset,
+                meft_rows: float, router: float = 0.0) -> dict[str, float]:
+    """Seconds and FLOPs of one micro-batch's forward + backward (+ recomputation) on one process."""
+    s, b, gc = st.seq_len, st.micro_batch_size, st.gradient_checkpointing
+    T, L, r = float(b) * s, model.layers, st.lora_r
+    passes = (3.0 if full else 2.0) + (1.0 if gc else 0.0)
+    lin_area, lin_time, ad_width = _linear_sums(model, sp, adapted)
+    dense = 2.0 * T * lin_area * passes * L
+    dense_s = 2.0 * T * lin_time * passes * L
+    adapter = 2.0 * T * r * ad_width * (3.0 + (1.0 if gc else 0.0)) * L
+    adapter_s = adapter / sp.gemm_skinny
+    head = 2.0 * T * model.hidden * model.vocab * (3.0 if full else 2.0)
+    chunked = getattr(st, "loss", "standard") == "chunked"
+    if chunked:  # memfit.train.loss recomputes each chunk's logits in backward: one more head forward
+        head += 2.0 * T * model.hidden * model.vocab
+    dense, dense_s = dense + head, dense_s + head / sp.gemm(model.hidden, model.vocab)
+    if meft_rows:  # every token meets the buffered rows of keys and values: 2·h·rows each, x3 with backward
+        fm = 12.0 * T * model.hidden * meft_rows * L
+        fr = 6.0 * T * router  # MEFT's router (h x experts per layer), trained like any parameter
+        adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
+    attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
+    fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
+    lora_bytes = sum((4.0 + (4.0 if st.lora_dropout > 0 else 0.0)) * e * lin.in_features + 3.0 * e * lin.out_features
+                     for lin in model.linears if lin.name in adapted)
+    mem = T * L * (elementwise_bytes(model, e) + lora_bytes) * fwd
+    mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
+    mem += T * model.vocab * (10 * 4.0 + 2 * e)  # loss: upcast, log-softmax, gather, its gradient, cast
+    if chunked:  # the recomputed chunk's forward part of the loss again: write, upcast, log-softmax
+        mem += T * model.vocab * (4 * 4.0 + e)
+    if full:  # the embedding's dense gradient: zeroed and scattered into
+        mem += 2.0 * 4.0 * model.vocab * model.hidden
+    dequant = 0.0
+    if st.method == "qlora":
+        dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
+    attn_s = attn / sp.attention_rate(s)
+    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
+    dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
+    return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
+            "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
+            "memory_bound_seconds": mem / sp.bandwidth, "dequant_seconds": dequant / sp.dequant,
+            "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
+
+
+def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
+    """Parameter tensors the optimizer visits: every weight, bias and norm (full), two per adapted linear
+    (LoRA), one router per layer (MEFT)."""
+    if method == "full":
+        per_layer = len(model.linears) + len(model.biases) + model.norms_per_layer
+        return float(model.layers * per_layer + 2 + (0 if model.tie_embeddings else 1))
+    if method == "meft":
+        return float(model.layers)
+    return float(model.layers * adapted * 2)
+
+
+def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine: str, p_t: float,
+              adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
+              meft_rows: float = 0.0, meft_traffic: Any = None) -> dict[str, Any]:
+    """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
+    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
+    prec, method, ga = st.precision, st.method, st.grad_accum
+    n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
+    sp = speeds_for(hw, prec, st.attention, p)
+    e = 4.0 if prec == "fp32" else 2.0
+    mb = micro_batch(model, sp, st, e, method == "full", adapted if method in ("lora", "qlora", "dora") else frozenset(),
+                     meft_rows, p_t if method == "meft" else 0.0)
+    off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
+    local = p_t / (n if shard_o else 1)
+    tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
+    optim_s = cpu_opt_s = 0.0
+    if off_opt:
+        cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
+    else:
+        optim_s = local * sp.adam_per_param + tensors * sp.adam_per_tensor
+    # gradient clipping (HF max_grad_norm): read every local gradient for the norm, scale it in place;
+    # accumulation adds each later micro-batch's gradient into the kept one
+    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
+    upkeep = grads_local * 4.0 * 3.0 / sp.bandwidth + 2.0 * tensors * sp.op_seconds
+    upkeep += (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    cbytes = comm_bytes(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing) if n > 1 else 0.0
+    comm_s = 0.0
+    if cbytes:
+        calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing)
+        comm_s = cbytes * (n - 1) / n / sp.bus_bandwidth + calls * sp.collective_latency
+    exposed = comm_s * (1.0 - overlap_for(engine, p, cpu))
+    pcie_b = 0.0
+    if off_opt:
+        pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
+    if off_par:
+        pcie_b += ga * (3.0 if st.gradient_checkpointing else 2.0) * gather_bytes / n
+    offload_s = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
+    traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
+    meft_s = 0.0
+    if meft_traffic is not None:
+        traffic["h2d"], traffic["d2h"] = meft_traffic["h2d"], meft_traffic["d2h"]
+        moved = 0.0 if cpu else meft_traffic["h2d"] / sp.h2d + meft_traffic["d2h"] / sp.d2h
+        experts = meft_traffic["experts"]
+        search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
+        cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
+        cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
+        meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    trainer_s = p.trainer_step_ops * sp.op_seconds
+    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
+    flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
+    tokens = n * st.micro_batch_size * ga * st.seq_len
+    time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
+            "compute_seconds": ga * mb["seconds"], "matmul_seconds": ga * mb["matmul_seconds"],
+            "attention_seconds": ga * mb["attention_seconds"],
+            "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
+            "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s + upkeep,
+            "trainer_seconds": trainer_s, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
+            "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
+            "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
+            "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
+            "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}
+    return {"time": time, "traffic": traffic, "floor_seconds": flops / sp.peak}

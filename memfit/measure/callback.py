@@ -125,6 +125,7 @@ class ProbeCallback(TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0
+        cpu_elapsed = time.process_time() - self._c0
         if self._probe is not None:
             self._probe_result = self._probe.stop()
             self._probe = None
@@ -132,7 +133,7 @@ class ProbeCallback(TrainerCallback):
             self._rss_peak = P.peak_rss_bytes()
         else:
             self._times.append(elapsed)
-            self._cpu_times.append(time.process_time() - self._c0)
+            self._cpu_times.append(cpu_elapsed)
             self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
         if step == self.warmup + self.steps - 1:
             self._done = True
@@ -163,6 +164,7 @@ class ProbeCallback(TrainerCallback):
             "components": r.components,
             "step_seconds": step_s,
             "step_seconds_profiled": self._profiled_time,
+            "step_seconds_all": list(self._times),
             "step_cpu_seconds": statistics.median(self._cpu_times) if self._cpu_times else None,
             "timed_steps": len(self._times),
             "warmup_steps": self.warmup,

@@ -82,6 +82,7 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "cuda_context_bytes": most("cuda_context_bytes"),
         "components": top["components"],
         "step_seconds": most("step_seconds"),
+        "step_cpu_seconds": most("step_cpu_seconds"),
         "method": top.get("method"),
         "ranks": ranks,
     }

@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
 from memfit.errors import ConfigError
 
@@ -77,6 +77,10 @@ class HardwareSpec:
     inter_node_bandwidth: float = DEFAULT_INTER_NODE_BANDWIDTH
     cpu_ram_given: bool = False
     label: str = ""
+    # this machine's measured speeds (memfit.spec.hwprofile.HardwareRates) for 'local', when calibrated;
+    # rates_note: why a cached profile was ignored (one line, for the CLI to show)
+    rates: Optional[Any] = field(default=None, compare=False)
+    rates_note: str = field(default="", compare=False)
 
     @property
     def world_size(self) -> int:
@@ -201,22 +205,47 @@ def _match_detected(name: str, memory: int) -> GpuSpec:
     return replace(best, memory_bytes=memory)
 
 
+def _visible_gpus() -> list[tuple[str, int]]:
+    """(name, memory) of the NVIDIA devices this process may use (CUDA_VISIBLE_DEVICES applied)."""
+    rows = _nvidia_smi()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if rows and visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        rows = [rows[int(v)] for v in wanted if v.isdigit() and int(v) < len(rows)] if wanted else []
+    return rows
+
+
 def detect_local(cpu_ram: Optional[int] = None) -> HardwareSpec:
     """CUDA devices via nvidia-smi when present, otherwise the CPU and its RAM."""
     ram = cpu_ram if cpu_ram is not None else _meminfo_bytes()
-    rows = _nvidia_smi()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if rows and visible is not None:  # the devices this process may use
-        wanted = [v.strip() for v in visible.split(",") if v.strip() and v.strip() != "-1"]
-        rows = [rows[int(v)] for v in wanted if v.isdigit() and int(v) < len(rows)] if wanted else []
+    rows = _visible_gpus()
+    rates, note = local_rates([name for name, _ in rows])
     if rows:
         gpu = _match_detected(*rows[0])
         return HardwareSpec(gpu, gpus_per_node=len(rows), nodes=1, cpu_ram_bytes=ram,
-                            cpu_ram_given=cpu_ram is not None, label="local")
+                            cpu_ram_given=cpu_ram is not None, label="local", rates=rates, rates_note=note or "")
     dev = cpu_device()
     if cpu_ram is not None:
         dev = replace(dev, memory_bytes=cpu_ram)
-    return HardwareSpec(dev, 1, 1, ram, cpu_ram_given=cpu_ram is not None, label="local")
+    return HardwareSpec(dev, 1, 1, ram, cpu_ram_given=cpu_ram is not None, label="local", rates=rates,
+                        rates_note=note or "")
+
+
+def local_fingerprint(gpu_names: Optional[list[str]] = None) -> str:
+    """This machine's fingerprint (CPU, cores, visible GPUs, torch version): the hardware profile's key."""
+    from memfit.spec import hwprofile
+
+    names = [name for name, _ in _visible_gpus()] if gpu_names is None else gpu_names
+    return hwprofile.fingerprint(hwprofile.machine_facts(names))
+
+
+def local_rates(gpu_names: list[str]) -> tuple[Optional[Any], Optional[str]]:
+    """The cached hardware profile of this machine (``MEMFIT_HWCAL=off``: none, the uncalibrated model)."""
+    from memfit.spec import hwprofile
+
+    if os.environ.get("MEMFIT_HWCAL", "").lower() in ("off", "0", "no", "false"):
+        return None, None
+    return hwprofile.load_cached(local_fingerprint(gpu_names))
 
 
 def default_cpu_ram(gpu: GpuSpec, gpus_per_node: int) -> int:

@@ -1,0 +1,202 @@
+"""Predicted vs measured step time on a grid of configurations on this machine.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # measure + predict (~4 min quiet)
+    .venv/bin/python bench/time_grid.py --reuse                      # re-predict the saved measurements
+    .venv/bin/python bench/time_grid.py --quick                      # 6 configurations (smoke)
+
+Two model shapes built here with random weights (a Llama-style h 256 / 4 layers and a Qwen2-style
+h 128 / 4 layers with grouped-query attention and q/k/v biases); full / LoRA / QLoRA, checkpointing on
+and off, eager / SDPA, micro-batch 1-8, sequence 128-1024, 1 and 2 processes (DDP, ZeRO-2, FSDP). Every
+configuration runs in a fresh process through memfit's trainer (memfit.measure.runner): 1 warm-up step,
+1 profiled step (not timed), then the timed steps; the measured figure is the median timed step (wall
+and process CPU time; with several ranks the slowest rank's). Every process runs one thread
+(OMP_NUM_THREADS=1 is set here), so on a quiet machine wall ≈ CPU time; on a loaded one the CPU time is
+the steadier figure. Predictions use the cached hardware profile (`memfit calibrate --hardware`).
+
+Prints per configuration the predicted and measured step, the error, and per group of configurations
+sharing a model and a sequence length the Kendall rank correlation of predicted vs measured order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# measured processes get MALLOC_MMAP_THRESHOLD_=65536 for tight RSS figures (memfit.measure.probe), which
+# makes every freed tensor over 64 kB an munmap and its next use page faults: not how training runs.
+# 32 MiB is glibc's own dynamic ceiling, what a long-running trainer settles at.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+
+SHAPES = {
+    "llama": dict(arch="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8),
+    "qwen2": dict(arch="qwen2", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2),
+}
+
+
+def _c(model, seq, mb, method="lora", gc=False, attn="sdpa", nproc=1, **engine):
+    return dict(model=model, seq_len=seq, micro_batch_size=mb, method=method, gradient_checkpointing=gc,
+                attention=attn, nproc=nproc, **engine)
+
+
+CELLS = [
+    # llama, seq 256
+    _c("llama", 256, 2, "full"), _c("llama", 256, 2), _c("llama", 256, 2, gc=True), _c("llama", 256, 4, attn="eager"),
+    _c("llama", 256, 2, "qlora"), _c("llama", 256, 2, "full", nproc=2),
+    _c("llama", 256, 2, "full", nproc=2, zero_stage=2), _c("llama", 256, 2, "full", nproc=2, fsdp="full_shard"),
+    # llama, seq 1024
+    _c("llama", 1024, 1), _c("llama", 1024, 1, gc=True, attn="eager"), _c("llama", 1024, 1, "full", gc=True),
+    _c("llama", 1024, 2),
+    # qwen2, seq 128
+    _c("qwen2", 128, 8, "full"), _c("qwen2", 128, 8), _c("qwen2", 128, 1, attn="eager"),
+    _c("qwen2", 128, 4, "full", gc=True, attn="eager"),
+    # qwen2, seq 512
+    _c("qwen2", 512, 2, "full"), _c("qwen2", 512, 4, gc=True), _c("qwen2", 512, 2, "qlora"),
+    _c("qwen2", 512, 2, nproc=2),
+]
+QUICK = [0, 1, 2, 12, 13, 14]
+
+
+def build_models(root: Path) -> dict[str, Path]:
+    out = {}
+    for name, shape in SHAPES.items():
+        folder = root / name
+        out[name] = folder
+        if (folder / "config.json").is_file():
+            continue
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        from memfit.measure.worker import synthetic_text_records
+        from memfit.train.demo import train_tokenizer
+
+        tok = train_tokenizer([r["text"] for r in synthetic_text_records(200, 64, seed=5)], 2048)
+        kw = {k: v for k, v in shape.items() if k != "arch"}
+        common = dict(vocab_size=len(tok), max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        cls, cfg = (LlamaForCausalLM, LlamaConfig) if shape["arch"] == "llama" else (Qwen2ForCausalLM, Qwen2Config)
+        cls(cfg(**kw, **common)).save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+    return out
+
+
+def make_run(cell: dict, models: dict[str, Path]):
+    from memfit.spec.run import run_from_dict
+
+    strategy = {k: v for k, v in cell.items() if k not in ("model", "nproc")}
+    strategy.update(precision="fp32", lora_dropout=0.0)
+    return run_from_dict({"model": str(models[cell["model"]]), "hardware": "local", "strategy": strategy,
+                          "distributed": {"nproc": cell["nproc"]}, "output_dir": "/tmp/memfit-time-grid"})
+
+
+def label(cell: dict) -> str:
+    eng = "fsdp" if cell.get("fsdp") else f"zero{cell['zero_stage']}" if cell.get("zero_stage") else "ddp"
+    return (f"{cell['model']:5s} {cell['method']:5s} {eng:5s} {'gc' if cell['gradient_checkpointing'] else '--'} "
+            f"{cell['attention']:5s} {cell['seq_len']:5d} {cell['micro_batch_size']:2d} {cell['nproc']}")
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-a over all pairs (ties count as neither)."""
+    n, s = len(xs), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += (1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) > 0 else -1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) < 0 else 0)
+    pairs = n * (n - 1) // 2
+    return s / pairs if pairs else float("nan")
+
+
+def predict_ms(cell: dict, models: dict[str, Path]) -> tuple[float, str]:
+    from memfit.measure.runner import predict
+
+    d = predict(make_run(cell, models))
+    return d["time"]["step_seconds"] * 1e3, d["time"]["basis"]
+
+
+def measure_cells(cells: list[dict], models: dict[str, Path], out: Path, steps: int) -> None:
+    from memfit.errors import MemfitError
+    from memfit.measure.runner import run_measured_process
+
+    out.mkdir(parents=True, exist_ok=True)
+    for i, cell in enumerate(cells):
+        t0 = time.time()
+        try:
+            m = run_measured_process(make_run(cell, models), warmup=1, steps=steps, categories=False, threads=1)
+        except MemfitError as err:
+            m = {"error": str(err)[:300]}
+        rec = {"cell": cell, "measured": m, "load": os.getloadavg(), "at": time.strftime("%H:%M:%S")}
+        (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
+        print(f"  measured {i + 1}/{len(cells)} {label(cell)}  {time.time() - t0:.0f} s  "
+              f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
+def report(out: Path, models: dict[str, Path]) -> int:
+    recs = [json.loads(p.read_text()) for p in sorted(out.glob("cell*.json"))]
+    print(" # model method eng   gc attn    seq mb np   pred ms   wall ms  err %    cpu ms  err %  load")
+    rows, basis = [], ""
+    for i, r in enumerate(recs):
+        cell, m = r["cell"], r["measured"]
+        if "error" in m:
+            print(f"{i:2d} {label(cell)}   failed: {m['error'][:80]}")
+            continue
+        pred, basis = predict_ms(cell, models)
+        wall, cpu = m["step_seconds"] * 1e3, (m.get("step_cpu_seconds") or 0) * 1e3
+        ew, ec = 100 * (pred / wall - 1), (100 * (pred / cpu - 1) if cpu else float("nan"))
+        rows.append((cell, pred, wall, cpu, ew, ec))
+        print(f"{i:2d} {label(cell)} {pred:9.1f} {wall:9.1f} {ew:+6.1f} {cpu:9.1f} {ec:+6.1f}  {r['load'][0]:.1f}")
+    if not rows:
+        return 1
+    print(f"\nbasis: {basis}")
+    for name, col, err in (("wall", 2, 4), ("CPU time", 3, 5)):
+        errs = [abs(r[err]) for r in rows]
+        print(f"|error| vs {name}: median {statistics.median(errs):.1f} %, max {max(errs):.1f} % (n={len(errs)}); "
+              "target median <= 15 %, max <= 35 %")
+        groups: dict[tuple, list] = {}
+        for r in rows:
+            groups.setdefault((r[0]["model"], r[0]["seq_len"]), []).append(r)
+        taus = {k: kendall_tau([r[1] for r in g], [r[col] for r in g]) for k, g in groups.items() if len(g) > 1}
+        print(f"Kendall tau vs {name} per group (model, seq): "
+              + ", ".join(f"{k[0]} {k[1]}: {t:+.2f} (n={len(groups[k])})" for k, t in taus.items())
+              + "; target >= 0.8")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/memfit-time-grid"))
+    ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out")
+    ap.add_argument("--steps", type=int, default=4, help="steps after the warm-up (the first is profiled)")
+    ap.add_argument("--only", type=str, default=None, help="comma-separated cell numbers to (re)measure")
+    args = ap.parse_args()
+    models = build_models(args.models)
+    cells = [CELLS[i] for i in QUICK] if args.quick else CELLS
+    if not args.reuse:
+        from memfit.measure.hwcal import ensure_hardware_profile
+
+        ensure_hardware_profile(progress=lambda line: print(f"  calibrating {line}", file=sys.stderr))
+        t0 = time.time()
+        print(f"load before: {os.getloadavg()}", file=sys.stderr)
+        if args.only:
+            idx = [int(x) for x in args.only.split(",")]
+            for i in idx:
+                measure_cells([cells[i]], models, args.out / f"tmp{i}", args.steps)
+                (args.out / f"tmp{i}" / "cell00.json").replace(args.out / f"cell{i:02d}.json")
+        else:
+            measure_cells(cells, models, args.out, args.steps)
+        print(f"measured in {time.time() - t0:.0f} s; load after: {os.getloadavg()}", file=sys.stderr)
+    return report(args.out, models)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""What one process achieves on its device: the speeds the time model divides by, and their basis.
+
+Two sources, one shape (:class:`Speeds`):
+
+* **measured** — ``hardware.rates`` (``memfit calibrate --hardware``, memfit.spec.hwprofile) for
+  ``local``: GEMM by dtype and width, attention, bandwidth, per-op dispatch, AdamW, collectives, copies,
+  NF4 dequantisation, as timed on this machine. On a CPU the figures are read at the threads each
+  process runs (``OMP_NUM_THREADS``, else cores / processes as memfit's launcher sets it) and shared
+  when processes × threads exceed the cores.
+* **catalog** — the GPU's data-sheet peaks × the utilisation constants of the Profile (cited there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from memfit.estimate.constants import Profile
+from memfit.spec.hardware import HardwareSpec
+
+# HBM / GDDR bandwidth, bytes/s, NVIDIA data sheets (V100 SXM2 900 GB/s, T4 320, A10G 600, L4 300,
+# A100-40GB 1555, A100-80GB SXM 2039, H100 SXM 3350, H100 PCIe 2000, H200 4800, RTX 3090 936,
+# RTX 4090 1008, RTX A5000 768, RTX A6000 768, L40S 864)
+MEMORY_BANDWIDTH = {"V100-16GB": 900e9, "V100-32GB": 900e9, "T4-16GB": 320e9, "A10G-24GB": 600e9,
+                    "L4-24GB": 300e9, "A100-40GB": 1555e9, "A100-80GB": 2039e9, "H100-80GB": 3350e9,
+                    "H100-PCIe-80GB": 2000e9, "H200-141GB": 4800e9, "RTX3090-24GB": 936e9,
+                    "RTX4090-24GB": 1008e9, "A5000-24GB": 768e9, "A6000-48GB": 768e9, "L40S-48GB": 864e9}
+UNCALIBRATED = "catalog peak x utilisation, uncalibrated"
+
+
+@dataclass(frozen=True)
+class Speeds:
+    basis: str
+    gemm_small: float  # FLOP/s of a linear (forward + backward) at width ``width_small``
+    gemm_large: float  # ... at ``width_large`` (log-width interpolation between, clamped outside)
+    width_small: float
+    width_large: float
+    gemm_skinny: float  # LoRA's rank-r products
+    attention: tuple  # ((seq, FLOP/s of 12·b·H·s²·d), ...) for this attention kind, log-interpolated in seq
+    bandwidth: float  # bytes/s of memory-bound elementwise work
+    op_seconds: float  # dispatch of one small op, forward + backward
+    overlap_dispatch: bool  # GPUs: kernels run while the host dispatches (step = max of the two)
+    adam_per_param: float
+    adam_per_tensor: float
+    cpu_adam_per_param: float  # offloaded optimizer on the host
+    bus_bandwidth: float  # collective bus bytes/s between the processes (ring)
+    collective_latency: float
+    h2d: float
+    d2h: float
+    dequant: float  # NF4 values dequantised per second
+    peak: float  # the floor's FLOP/s (catalog peak of the dtype)
+    # measured dispatch, forward + backward, of transformers' code (seconds): per decoder layer, the rest of
+    # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
+    overheads: Optional[tuple[float, float, float, float]] = None
+
+    def attention_rate(self, seq: float) -> float:
+        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
+        pts = self.attention
+        if len(pts) == 1 or seq <= pts[0][0]:
+            return pts[0][1]
+        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+            if seq <= s1:
+                f = math.log(seq / s0) / math.log(s1 / s0)
+                return math.exp((1 - f) * math.log(r0) + f * math.log(r1))
+        return pts[-1][1]
+
+    def gemm(self, k: float, n: float) -> float:
+        """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
+        if min(k, n) <= 64:
+            return self.gemm_skinny
+        w = math.sqrt(k * n)
+        lo, hi = math.log(self.width_small), math.log(self.width_large)
+        f = 0.0 if hi <= lo else min(1.0, max(0.0, (math.log(w) - lo) / (hi - lo)))
+        return math.exp((1 - f) * math.log(self.gemm_small) + f * math.log(self.gemm_large))
+
+
+def threads_per_process(hw: HardwareSpec) -> int:
+    """Threads each CPU process runs: OMP_NUM_THREADS, else (in a process that imported torch) torch's
+    thread count, else cores // processes (memfit's launcher; one process uses all cores)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    torch = sys.modules.get("torch")  # inside a training process: the threads it really runs (memfit's
+    if torch is not None and hw.gpus_per_node == 1:  # trainer may pick fewer on a busy machine); never imported here
+        try:
+            return max(1, int(torch.get_num_threads()))
+        except Exception:  # a partly imported torch: fall back to the launcher's rule
+            pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, hw.gpus_per_node))
+
+
+def _interp(table: dict, threads: int) -> Any:
+    """A per-thread-count entry at ``threads``: the nearest measured count (numbers interpolate linearly)."""
+    keys = sorted(int(k) for k in table if str(k).isdigit())
+    if not keys:
+        return table.get("device")
+    if threads in keys:
+        return table[str(threads)]
+    lo = max([k for k in keys if k < threads], default=keys[0])
+    hi = min([k for k in keys if k > threads], default=keys[-1])
+    a, b = table[str(lo)], table[str(hi)]
+    if lo == hi or not isinstance(a, (int, float)):
+        return table[str(lo if threads - lo <= hi - threads else hi)]
+    return a + (b - a) * (threads - lo) / (hi - lo)
+
+
+def _dtype(precision: str, device: str) -> str:
+    if precision == "fp32":
+        return "fp32"
+    return "fp16" if precision.startswith("fp16") else "bf16"
+
+
+def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+    cpu = rates.device == "cpu"
+    threads = threads_per_process(hw) if cpu else 0
+    share = min(1.0, rates.cores / float(threads * hw.gpus_per_node)) if cpu else 1.0
+    dt = _dtype(precision, rates.device)
+    g_all = _interp(rates.gemm, threads) if cpu else rates.gemm["device"]
+    scale = share
+    if dt not in g_all and cpu:  # other dtypes are measured at one thread: fp32's thread gain applies
+        one = rates.gemm[str(min(int(k) for k in rates.gemm))]
+        if dt in one:
+            scale *= g_all["fp32"]["large"] / one["fp32"]["large"]
+            g_all = one
+    g = g_all.get(dt) or g_all["fp32"]
+    a_all = _interp(rates.attention, threads) if cpu else rates.attention["device"]
+    a_kind = a_all["eager" if attention == "eager" else "sdpa"]
+    att = a_kind.get(dt)
+    gain = 1.0
+    if att is None:  # not measured in this dtype: fp32's figures x the dtype's GEMM gain
+        att = a_kind.get("fp32") or next(v for k, v in a_kind.items())
+        gain = g["large"] / g_all["fp32"]["large"] if "fp32" in g_all else 1.0
+    curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in att.items())) if isinstance(att, dict) \
+        else ((1.0, float(att) * gain * scale),)
+    bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
+    opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
+    coll = (rates.collectives or {}).get(str(hw.world_size))
+    cat = catalog_speeds(hw, precision, attention, profile)
+    cpu_adam = rates.optimizer.get("cpu_deepspeed") or rates.optimizer.get("cpu_torch") or cat.cpu_adam_per_param
+    return Speeds(
+        basis=rates.basis, gemm_small=g["small"] * scale, gemm_large=g["large"] * scale,
+        width_small=g["widths"]["small"], width_large=g["widths"]["large"], gemm_skinny=g["skinny"] * scale,
+        attention=curve, bandwidth=bw, op_seconds=rates.op_seconds / (share if cpu else 1.0),
+        overlap_dispatch=not cpu, adam_per_param=opt["per_param"] / share,
+        adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,
+        bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
+        collective_latency=coll["latency_s"] if coll else cat.collective_latency,
+        h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
+        dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
+        overheads=_overheads(rates.overheads, share if cpu else 1.0))
+
+
+def _overheads(o: Any, share: float) -> Optional[tuple[float, float, float, float]]:
+    if not o:
+        return None
+    return tuple(float(o[k]) / share for k in ("layer", "model", "adapter", "eager_layer_extra"))  # type: ignore
+
+
+def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+    p, gpu = profile, hw.gpu
+    if gpu.is_cpu:  # the core-count FLOP/s guess; N processes share the cores
+        peak = gpu.fp32_flops / hw.gpus_per_node
+        large = peak * p.utilization_cpu
+        bw = p.cpu_bandwidth / hw.gpus_per_node
+        op_s = p.cpu_op_seconds
+    else:
+        peak = gpu.fp32_flops if precision == "fp32" else gpu.peak_flops
+        large = peak * (p.utilization_fp32 if precision == "fp32" else p.utilization)
+        bw = MEMORY_BANDWIDTH.get(gpu.name, p.default_memory_bandwidth) * p.memory_bandwidth_efficiency
+        op_s = p.kernel_launch_seconds
+    att = large if gpu.is_cpu else peak * p.utilization_attention_fused
+    if attention == "eager":  # the s² scores and softmax go through memory
+        att = large / p.eager_attention_slowdown
+    if hw.nodes > 1:
+        bus = min(hw.inter_node_bandwidth * p.inter_node_efficiency, gpu.intra_node_bandwidth * p.intra_node_efficiency)
+    else:
+        bus = gpu.intra_node_bandwidth * p.intra_node_efficiency
+    pcie = gpu.pcie_bandwidth * p.pcie_efficiency
+    return Speeds(
+        basis=UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
+        width_small=p.gemm_small_width, width_large=p.gemm_large_width,
+        gemm_skinny=large * p.gemm_skinny_fraction, attention=((1.0, att),), bandwidth=bw, op_seconds=op_s,
+        overlap_dispatch=not gpu.is_cpu, adam_per_param=p.gpu_optimizer_seconds_per_param if not gpu.is_cpu
+        else 4 * 8.0 / bw, adam_per_tensor=op_s, cpu_adam_per_param=1.0 / p.cpu_adam_params_per_second,
+        bus_bandwidth=bus, collective_latency=p.collective_latency_seconds, h2d=pcie, d2h=pcie,
+        dequant=bw / 2.5, peak=peak)
+
+
+def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+    """Measured speeds for a calibrated 'local' pool of the same device kind, else the catalog's."""
+    rates: Optional[Any] = getattr(hw, "rates", None)
+    key = (hw, id(rates), precision, attention, profile, threads_per_process(hw) if rates is not None else 0)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is rates:
+        return hit[1]
+    if len(_CACHE) > 1024:
+        _CACHE.clear()
+    _CACHE[key] = (rates, _speeds(hw, rates, precision, attention, profile))
+    return _CACHE[key][1]
+
+
+_CACHE: dict = {}
+
+
+def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: Profile) -> Speeds:
+    if rates is not None and (rates.device == "cpu") == bool(hw.gpu.is_cpu):
+        try:
+            return measured_speeds(rates, hw, precision, attention, profile)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
+            pass  # an incomplete profile: the catalog model, named as such
+    return catalog_speeds(hw, precision, attention, profile)

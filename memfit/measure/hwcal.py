@@ -1,0 +1,371 @@
+"""``memfit calibrate --hardware``: time what a training step spends its time on, once per machine.
+
+Micro-benchmarks, each a few repetitions under a time cap (the whole run ≤ ~20 s on a 2-core CPU):
+
+* **GEMM** — ``F.linear`` forward + backward (input and weight gradients: 6·m·k·n FLOPs) at the dtypes
+  training uses and three shape classes: square-ish at a small and a large width (interpolated in
+  log-width by the time model) and skinny (one side the LoRA rank);
+* **attention** — eager (matmul, fp32 softmax, matmul, as transformers' eager path) and
+  ``F.scaled_dot_product_attention(is_causal=True)``, forward + backward, as FLOP/s of 12·b·H·s²·d;
+* **bandwidth** — a memory-bound elementwise op (bytes read + written per second) and the dispatch cost
+  of one small autograd op (forward + backward);
+* **optimizer** — ``torch.optim.AdamW`` step (as the HF Trainer's ``adamw_torch``), per parameter and per
+  tensor; DeepSpeed's CPU Adam where its extension is already built;
+* where present: pinned host↔device copies, NF4 dequantisation (bitsandbytes), and collectives for
+  the process count (gloo on CPU between forked processes, NCCL between GPUs).
+
+On CUDA every figure is timed with ``torch.cuda.Event``; on CPU with ``time.perf_counter`` (all-core
+figures) or the thread's CPU time (one-thread figures: a shared machine's other processes then cost
+less), the best of the repetitions. The result is a ``memfit.spec.hwprofile.HardwareRates``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from memfit.spec import hwprofile
+
+Progress = Optional[Callable[[str], None]]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Timer:
+    """Best-of-N timing of ``fn`` on ``device``, within ``cap`` seconds (at least ``min_reps``)."""
+
+    def __init__(self, device: str, one_thread: bool = False) -> None:
+        self.device, self.one_thread = device, one_thread
+
+    def __call__(self, fn: Callable[[], None], reps: int = 5, cap: float = 0.3, min_reps: int = 2) -> float:
+        fn()  # warm-up (allocations, kernel selection)
+        best, start = float("inf"), time.perf_counter()
+        for i in range(reps):
+            best = min(best, self._once(fn))
+            if i + 1 >= min_reps and time.perf_counter() - start > cap:
+                break
+        return best
+
+    def _once(self, fn: Callable[[], None]) -> float:
+        if self.device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        clock = time.thread_time if self.one_thread else time.perf_counter
+        t0 = clock()
+        fn()
+        return clock() - t0
+
+
+def _gemm_shapes(device: str) -> dict[str, tuple[int, int, int]]:
+    """class -> (m tokens, k in, n out). The time model interpolates in log(sqrt(k·n)) between the
+    small and large widths; skinny is LoRA's down-projection (n = rank 16)."""
+    if device == "cuda":
+        return {"small": (4096, 512, 512), "large": (8192, 4096, 4096), "skinny": (8192, 4096, 16)}
+    return {"small": (2048, 128, 128), "large": (1024, 1024, 1024), "skinny": (2048, 1024, 16)}
+
+
+def gemm_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name in dtypes:
+        dt = DTYPES[name]
+        out[name] = {}
+        for cls, (m, k, n) in _gemm_shapes(device).items():
+            if device == "cpu" and name != "fp32":  # CPU bf16 GEMMs run ~10-30x slower: fewer rows
+                m = max(64, m // 8)
+            x = torch.randn(m, k, device=device, dtype=dt, requires_grad=True)
+            w = torch.randn(n, k, device=device, dtype=dt, requires_grad=True)
+            g = torch.randn(m, n, device=device, dtype=dt)
+
+            def step() -> None:
+                F.linear(x, w).backward(g)
+                x.grad = w.grad = None
+            out[name][cls] = 6.0 * m * k * n / timer(step)
+        out[name]["widths"] = {c: (k * n) ** 0.5 for c, (m, k, n) in _gemm_shapes(device).items() if c != "skinny"}
+    return out
+
+
+def _eager_attention(q, k, v, mask):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict]:
+    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches)."""
+    b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
+    out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
+    for name in dtypes:
+        dt = DTYPES[name]
+        for kind in ("eager", "sdpa"):
+            out[kind][name] = {}
+        for s in lengths:
+            q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+            mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
+            g = torch.randn(b, h, s, d, device=device, dtype=dt)
+            flops = 12.0 * b * h * s * s * d
+            for kind, fn in (("eager", lambda: _eager_attention(q, k, v, mask)),
+                             ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
+                def step(fn=fn) -> None:
+                    fn().backward(g)
+                    q.grad = k.grad = v.grad = None
+                out[kind][name][str(s)] = flops / timer(step, reps=3)
+    return out
+
+
+def bandwidth_rate(device: str, timer: _Timer) -> float:
+    n = (64 if device == "cuda" else 4) * (1 << 20)
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    c = torch.empty_like(a)
+
+    def step() -> None:
+        for _ in range(4):
+            torch.add(a, b, out=c)
+    return 4 * 3 * 4.0 * n / timer(step)
+
+
+def op_seconds(device: str, timer: _Timer) -> float:
+    """One small op forward + backward through autograd: the per-op dispatch cost."""
+    x = torch.randn(64, device=device, requires_grad=True)
+    ops = 200
+
+    def step() -> None:
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+        x.grad = None
+    return timer(step, reps=5) / ops
+
+
+def adamw_seconds(device: str, timer: _Timer) -> dict[str, float]:
+    """torch.optim.AdamW (defaults, as the HF Trainer's adamw_torch): seconds per parameter and per tensor."""
+    def per_step(sizes: list[int]) -> float:
+        ps = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(ps, lr=1e-4)
+        return timer(opt.step, reps=4)
+    big = (16 if device == "cuda" else 2) * (1 << 20)
+    t_big = per_step([big])
+    t_many = per_step([1024] * 128)
+    per_tensor = max(0.0, (t_many - t_big * 128 * 1024 / big) / 128)
+    return {"per_param": t_big / big, "per_tensor": per_tensor}
+
+
+def deepspeed_cpu_adam_seconds(timer: _Timer) -> Optional[float]:
+    """DeepSpeedCPUAdam seconds per parameter, only where its extension is already built (no 40 s build)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = os.path.join(_get_build_directory("cpu_adam", verbose=False), "cpu_adam.so")
+        if not os.path.isfile(built):
+            return None
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # deepspeed absent or its build cache unreadable: not measured
+        return None
+    n = 2 * (1 << 20)
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = DeepSpeedCPUAdam([p], lr=1e-4)
+    return timer(opt.step, reps=4) / n
+
+
+def copy_rates(timer: _Timer) -> dict[str, float]:
+    """Pinned host<->device copies (CUDA only), bytes/s each way."""
+    n = 64 << 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    return {"h2d": n / timer(lambda: dev.copy_(host, non_blocking=True)),
+            "d2h": n / timer(lambda: host.copy_(dev, non_blocking=True))}
+
+
+def nf4_dequant_rate(device: str, timer: _Timer) -> Optional[float]:
+    """bitsandbytes NF4 dequantisation, elements/s (None where bitsandbytes cannot run here)."""
+    try:
+        import bitsandbytes.functional as BF
+
+        w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+        q, state = BF.quantize_4bit(w, quant_type="nf4")
+        return w.numel() / timer(lambda: BF.dequantize_4bit(q, state), reps=4)
+    except Exception:  # no bitsandbytes, or no kernel for this device
+        return None
+
+
+def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    timer = _Timer(device)
+    big = torch.ones((64 if device == "cuda" else 4) << 18, device=device)  # 1 MiB elements on CPU
+    small = torch.ones(256, device=device)
+
+    def reduce(t: torch.Tensor) -> Callable[[], None]:
+        return lambda: dist.all_reduce(t)
+    t_big, t_small = timer(reduce(big), reps=4), timer(reduce(small), reps=8)
+    if rank == 0:
+        busbw = big.numel() * 4.0 * 2.0 * (world - 1) / world / max(t_big - t_small, 1e-9)
+        conn.send({"backend": backend, "bus_bytes_per_s": busbw, "latency_s": t_small})
+    dist.destroy_process_group()
+
+
+def collective_rates(world: int, backend: str) -> Optional[dict[str, float]]:
+    """All-reduce bus bandwidth and latency between ``world`` processes (gloo: forked from this one)."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
+    init = f"file://{tempfile.mktemp(prefix='memfit-hwcal-')}"
+    parent, child = ctx.Pipe()
+    procs = [ctx.Process(target=_collective_rank, args=(r, world, init, backend, child)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = parent.recv() if parent.poll(120) else None
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    return result
+
+
+def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
+    out: dict = {"gemm": {}, "attention": {}, "bandwidth": {}, "optimizer": {}}
+    for t in sorted({1, cores}):
+        torch.set_num_threads(t)
+        timer = _Timer("cpu", one_thread=t == 1)
+        key = str(t)
+        say(f"GEMM, {t} thread(s)")
+        out["gemm"][key] = gemm_rates("cpu", ["fp32", "bf16"] if t == 1 else ["fp32"], timer)
+        say(f"attention eager/SDPA, {t} thread(s)")
+        out["attention"][key] = attention_rates("cpu", ["fp32"], timer)
+        say(f"bandwidth and AdamW, {t} thread(s)")
+        out["bandwidth"][key] = bandwidth_rate("cpu", timer)
+        out["optimizer"][key] = adamw_seconds("cpu", timer)
+        if t == 1:
+            out["op_seconds"] = op_seconds("cpu", timer)
+            say("dispatch of transformers' Llama layers and PEFT adapters")
+            out["overheads"] = model_overheads("cpu", timer)
+            say("NF4 dequantisation")
+            out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer)}
+    return out
+
+
+def _cuda_part(say: Callable[[str], None]) -> dict:
+    timer = _Timer("cuda")
+    say("GEMM on the GPU")
+    gemm = {"device": gemm_rates("cuda", ["fp32", "bf16", "fp16"], timer)}
+    say("attention eager/SDPA on the GPU")
+    attention = {"device": attention_rates("cuda", ["bf16", "fp16", "fp32"], timer)}
+    say("bandwidth, AdamW, copies, NF4 on the GPU")
+    out = {"gemm": gemm, "attention": attention, "bandwidth": {"device": bandwidth_rate("cuda", timer)},
+           "optimizer": {"device": adamw_seconds("cuda", timer)}, "op_seconds": op_seconds("cuda", timer),
+           "copies": copy_rates(timer), "dequant": {"nf4": nf4_dequant_rate("cuda", timer)},
+           "overheads": model_overheads("cuda", timer)}
+    torch.cuda.synchronize()
+    return out
+
+
+def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -> hwprofile.HardwareRates:
+    """Run the micro-benchmarks of this machine; ``world``: processes for the collective (default: the
+    GPU count where there are several, 2 on a CPU machine)."""
+    from memfit.spec.hardware import local_fingerprint
+
+    from memfit.train.quiet import quiet_libraries
+
+    quiet_libraries()  # the import chatter of torchao / bitsandbytes / DeepSpeed: calibration runs silently
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    steps = 4 if cuda else 3 * len({1, cores}) + 3
+    count = [0]
+
+    def say(what: str) -> None:
+        count[0] += 1
+        if progress is not None:
+            progress(f"[{min(count[0], steps)}/{steps}] {what} ({time.perf_counter() - t0:.0f} s)")
+    threads = torch.get_num_threads()
+    try:
+        part = _cuda_part(say) if cuda else _cpu_part(cores, say)
+        torch.set_num_threads(cores)
+        cpu_timer = _Timer("cpu")
+        say("CPU optimizers and collectives")
+        optimizer = dict(part["optimizer"])
+        optimizer["cpu_torch"] = adamw_seconds("cpu", cpu_timer)["per_param"] if cuda else \
+            part["optimizer"][str(cores)]["per_param"]
+        optimizer["cpu_deepspeed"] = deepspeed_cpu_adam_seconds(cpu_timer)
+        n = world or (torch.cuda.device_count() if cuda else 2)
+        backend = "nccl" if cuda else "gloo"
+        collectives = {}
+        if n > 1 and (not cuda or torch.cuda.device_count() >= n):
+            rate = collective_rates(n, backend)
+            if rate:
+                collectives[str(n)] = rate
+    finally:
+        torch.set_num_threads(threads)
+    return hwprofile.HardwareRates(
+        device="cuda" if cuda else "cpu", measured_at=time.strftime("%Y-%m-%d"), cores=cores,
+        gemm=part["gemm"], attention=part["attention"], bandwidth=part["bandwidth"],
+        op_seconds=float(part["op_seconds"]), optimizer=optimizer, copies=part.get("copies", {}),
+        collectives=collectives, dequant=part.get("dequant", {}), overheads=part.get("overheads", {}),
+        fingerprint=local_fingerprint(),
+        took_seconds=round(time.perf_counter() - t0, 2))
+
+
+def ensure_hardware_profile(force: bool = False, progress: Progress = None) -> tuple[hwprofile.HardwareRates, bool]:
+    """(rates, measured now): the cached profile of this machine, measured and saved when absent, ignored
+    (corrupt / foreign) or ``force``."""
+    from memfit.spec.hardware import local_fingerprint
+
+    fp = local_fingerprint()
+    if not force:
+        rates, _ = hwprofile.load_cached(fp)
+        if rates is not None:
+            return rates, False
+    rates = calibrate_hardware(progress)
+    hwprofile.save(rates)
+    return rates, True
+
+
+def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
+    """Dispatch cost of transformers' own Llama code, forward + backward, at widths where compute is nil:
+    per decoder layer (from 2 vs 4 layers), the rest of the model (embedding, mask, norm, head, loss),
+    per LoRA-adapted linear (PEFT) and eager attention's extra per layer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    ids = torch.randint(0, 64, (1, 8), device=device)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def seconds(layers: int, lora: bool = False, attn: str = "sdpa") -> float:
+        cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+                          vocab_size=64, num_hidden_layers=layers, max_position_embeddings=64,
+                          attn_implementation=attn)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(device)
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=2, target_modules=targets, lora_dropout=0.0))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            for p in params:
+                p.grad = None
+        return timer(step, reps=7)
+    two, four = seconds(2), seconds(4)
+    layer = max(0.0, (four - two) / 2)
+    return {"layer": layer, "model": max(0.0, two - 2 * layer),
+            "adapter": max(0.0, (seconds(4, lora=True) - four) / (4 * len(targets))),
+            "eager_layer_extra": max(0.0, (seconds(4, attn="eager") - four) / 4)}

@@ -1,0 +1,235 @@
+"""The time model (memfit.estimate.timing / speeds), the hardware profile file and `calibrate --hardware`."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from memfit.estimate import Profile, estimate
+from memfit.spec import hwprofile
+from memfit.spec.hardware import HardwareSpec, cpu_device, local_fingerprint, parse_hardware
+from memfit.spec.model import model_from_config
+from memfit.spec.strategy import Strategy
+
+# h=64, heads=4 (head_dim 16), kv_heads=2 (kv_dim 32), f=128, L=2, V=100 (as tests/test_estimate_breakdown.py)
+TINY = model_from_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "vocab_size": 100}, name="tiny")
+BASE = dict(method="full", seq_len=8, micro_batch_size=1, precision="bf16-mixed", attention="sdpa")
+# one layer's linears: q 64x64 + k, v 64x32 + o 64x64 + gate, up, down 64x128 -> sum k*n = 36,864
+LAYER_KN = 36_864
+
+
+def rates(**kw):
+    """A hand-made CPU profile: every GEMM 1e10 FLOP/s, SDPA 5e9 (eager 5e9 at s=4 falling to 1.25e9 at
+    s=16), 1e10 B/s, 10 us per op."""
+    g = {"small": 1e10, "large": 1e10, "skinny": 1e9, "widths": {"small": 128.0, "large": 1024.0}}
+    base = dict(device="cpu", measured_at="2026-11-30", cores=2, gemm={"1": {"fp32": g}, "2": {"fp32": g}},
+                attention={k: {"eager": {"fp32": {"4": 5e9, "16": 1.25e9}}, "sdpa": {"fp32": {"4": 5e9, "16": 5e9}}}
+                           for k in ("1", "2")},
+                bandwidth={"1": 1e10, "2": 1e10}, op_seconds=1e-5,
+                optimizer={"1": {"per_param": 1e-9, "per_tensor": 1e-5}, "2": {"per_param": 1e-9, "per_tensor": 1e-5},
+                           "cpu_torch": 1e-9, "cpu_deepspeed": None},
+                collectives={"2": {"backend": "gloo", "bus_bytes_per_s": 1e9, "latency_s": 1e-4}},
+                overheads={"layer": 1e-3, "model": 2e-3, "adapter": 1e-4, "eager_layer_extra": 5e-4},
+                fingerprint="abc")
+    base.update(kw)
+    return hwprofile.HardwareRates(**base)
+
+
+def cpu_pool(n=1, **kw):
+    return HardwareSpec(cpu_device(), gpus_per_node=n, label="local", rates=rates(**kw))
+
+
+def test_catalog_parts_by_hand():
+    # one rate for every linear (small and skinny fractions 1), 0.5 of the A100's 312 TFLOP/s; no dispatch, no trainer
+    prof = Profile(utilization=0.5, gemm_small_fraction=1.0, gemm_skinny_fraction=1.0, utilization_attention_fused=0.25,
+                   memory_bandwidth_efficiency=1.0, kernel_launch_seconds=0.0, trainer_step_ops=0.0,
+                   gpu_optimizer_seconds_per_param=0.0)
+    t = estimate(TINY, parse_hardware("A100-80GB"), Strategy(**BASE), profile=prof).time
+    # full: 2 FLOPs forward + 2 input gradient + 2 weight gradient per k*n and token: 8 tokens, 2 layers,
+    # + the 64x100 head
+    dense = 2 * 8 * LAYER_KN * 3 * 2 + 2 * 8 * 64 * 100 * 3
+    assert t["dense_flops"] == dense == 3_846_144
+    assert t["matmul_seconds"] == pytest.approx(dense / 156e12)
+    # attention: 4 b s^2 (heads x head_dim) per layer forward, x3 with backward: at 0.25 x 312e12
+    assert t["attention_flops"] == 4 * 64 * 64 * 2 * 3 == 98_304
+    assert t["attention_seconds"] == pytest.approx(98_304 / 78e12)
+    assert t["basis"] == "catalog peak x utilisation, uncalibrated"
+    parts = (t["compute_seconds"] + t["optimizer_seconds"] + t["trainer_seconds"] + t["comm_exposed_seconds"]
+             + t["offload_seconds"] + t["cpu_optimizer_seconds"] + t["meft_seconds"])
+    assert t["step_seconds"] == pytest.approx(parts)
+    # checkpointing adds one forward of every layer linear (not of the head) and of attention
+    gc = estimate(TINY, parse_hardware("A100-80GB"), Strategy(**BASE, gradient_checkpointing=True), profile=prof).time
+    assert gc["dense_flops"] - dense == 2 * 8 * LAYER_KN * 2
+    assert gc["attention_flops"] == 4 * 64 * 64 * 2 * 4
+
+
+def test_measured_rates_by_hand(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "method": "lora", "precision": "fp32"})
+    t = estimate(TINY, cpu_pool(), st).time
+    assert t["basis"] == "measured on this machine 2026-11-30"
+    # LoRA: frozen linears forward + input gradient (4 FLOPs per k*n and token), head likewise, at 1e10
+    dense = 2 * 8 * LAYER_KN * 2 * 2 + 2 * 8 * 64 * 100 * 2
+    # adapters r=16 on all 7 linears: sum (k + n) = 128+96+96+128+192+192+192 = 1024; 6 FLOPs x r x (k+n)
+    adapter = 2 * 8 * 16 * 1024 * 3 * 2
+    assert t["adapter_flops"] == adapter
+    # every linear of TINY has a side <= 64: the skinny class (1e9), like the rank-16 adapters
+    assert t["matmul_seconds"] == pytest.approx((dense + adapter) / 1e9)
+    # dispatch as measured: per layer 1 ms + 7 adapters x 0.1 ms, + 2 ms for the rest of the model
+    assert t["dispatch_seconds"] == pytest.approx(2 * (1e-3 + 7 * 1e-4) + 2e-3)
+    assert t["trainer_seconds"] == pytest.approx(600 * 1e-5)
+    # eager attention: its rate at s=8, log-interpolated between s=4 and 16 (sqrt(5e9 x 1.25e9) = 2.5e9),
+    # and the extra dispatch per layer
+    e = estimate(TINY, cpu_pool(), st.model_copy(update={"attention": "eager"})).time
+    assert e["attention_seconds"] == pytest.approx(2 * t["attention_seconds"])
+    assert e["dispatch_seconds"] - t["dispatch_seconds"] == pytest.approx(2 * 5e-4)
+
+
+def test_processes_share_the_cores(monkeypatch):
+    st = Strategy(**{**BASE, "precision": "fp32"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = estimate(TINY, cpu_pool(1), st).time
+    two = estimate(TINY, cpu_pool(2), st).time  # 2 processes x 1 thread on 2 cores: nobody waits
+    assert two["matmul_seconds"] == pytest.approx(one["matmul_seconds"])
+    # DDP all-reduce of the fp32 gradients: 2 x 86,848 x 4 B, half of it crosses, at the measured 1 GB/s
+    # bus + 1 call x 0.1 ms latency; gloo on CPU: nothing hidden
+    assert two["comm_seconds"] == pytest.approx(2 * 86_848 * 4 * 0.5 / 1e9 + 1e-4)
+    assert two["comm_exposed_seconds"] == two["comm_seconds"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # 2 x 2 threads on 2 cores: each gets half
+    crowded = estimate(TINY, cpu_pool(2), st).time
+    assert crowded["matmul_seconds"] == pytest.approx(2 * one["matmul_seconds"])
+
+
+def test_measured_rates_only_for_their_device_kind():
+    gpu = replace(parse_hardware("A100-80GB"), rates=rates())  # a CPU profile never times a GPU pool
+    assert estimate(TINY, gpu, Strategy(**BASE)).time["basis"].startswith("catalog")
+
+
+def test_cache_file_read_ignored_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    fp = local_fingerprint()
+    assert hwprofile.load_cached(fp) == (None, None)  # nothing cached: no note
+    path = hwprofile.save(rates(fingerprint=fp))
+    assert path == tmp_path / f"hardware-{fp}.json"
+    got, note = hwprofile.load_cached(fp)
+    assert note is None and got == rates(fingerprint=fp)
+    hw = parse_hardware("local")
+    assert hw.rates == got and hw.rates_note == ""
+    monkeypatch.setenv("MEMFIT_HWCAL", "off")
+    assert parse_hardware("local").rates is None
+    monkeypatch.delenv("MEMFIT_HWCAL")
+    path.write_text("{not json")
+    got, note = hwprofile.load_cached(fp)
+    assert got is None and note.startswith(f"ignoring the hardware profile {path}") and "\n" not in note
+    hwprofile.save(rates(fingerprint="other"), path)  # copied from another machine
+    got, note = hwprofile.load_cached(fp)
+    assert got is None and "measured on another machine" in note
+    assert parse_hardware("local").rates_note == note
+
+
+def _cli(capsys, *argv):
+    from memfit.cli.app import main
+
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_calibrate_hardware_cli_caches_and_forces(tmp_path, monkeypatch, capsys):
+    import memfit.measure.hwcal as H
+
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("MEMFIT_HWCAL", raising=False)
+    calls = []
+
+    def fake(progress=None, world=None):
+        calls.append(1)
+        progress and progress("[1/1] GEMM (0 s)")
+        return rates(fingerprint=local_fingerprint())
+    monkeypatch.setattr(H, "calibrate_hardware", fake)
+    code, out, err = _cli(capsys, "calibrate", "--hardware")
+    assert code == 0 and calls == [1] and "measured now" in out and "[1/1] GEMM" in err
+    code, out, _ = _cli(capsys, "calibrate", "--hardware")
+    assert code == 0 and calls == [1] and "cached" in out
+    code, out, _ = _cli(capsys, "calibrate", "--hardware", "--force", "--json")
+    assert code == 0 and calls == [1, 1] and json.loads(out)["measured_now"] is True
+    path = hwprofile.profile_path(local_fingerprint())
+    path.write_text('{"schema": "memfit-hardware-profile/1", "device": 3}')  # corrupt
+    code, out, err = _cli(capsys, "calibrate", "--hardware")
+    assert code == 0 and calls == [1, 1, 1] and "Traceback" not in err
+    assert err.count("note:") == 1 and "ignoring the hardware profile" in err
+    code, out, _ = _cli(capsys, "calibrate")
+    assert code == 2 and "give --hardware" in out + _
+
+
+def test_plan_names_the_basis(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    hwprofile.save(rates(fingerprint=local_fingerprint()))
+    code, out, _ = _cli(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "local", "--method", "lora",
+                        "--seq-len", "128", "--json")
+    assert code == 0 and json.loads(out)["time"]["basis"] == "measured on this machine 2026-11-30"
+    code, out, _ = _cli(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "A100-80GB", "--seq-len", "128")
+    assert code == 0 and "catalog peak x utilisation, uncalibrated" in out.replace("\n", " ")
+
+
+def test_planning_reads_the_profile_without_torch(tmp_path):
+    import os
+
+    hwprofile.save(rates(fingerprint=local_fingerprint()), tmp_path / f"hardware-{local_fingerprint()}.json")
+    code = ("import sys, json; from memfit.spec.hardware import parse_hardware; from memfit.estimate import "
+            "estimate; from memfit.spec.model import resolve_model; from memfit.spec.strategy import Strategy; "
+            "hw = parse_hardware('local'); b = estimate(resolve_model('llama-2-7b'), hw, "
+            "Strategy(method='lora', seq_len=128)).time['basis']; "
+            "print(json.dumps([hw.rates is not None, 'torch' in sys.modules, b]))")
+    env = {**os.environ, "MEMFIT_CACHE": str(tmp_path)}
+    env.pop("MEMFIT_HWCAL", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, "measured on this machine 2026-11-30"]
+
+
+def test_micro_benchmarks_return_rates():
+    import torch
+
+    from memfit.measure import hwcal as H
+
+    torch.set_num_threads(1)
+    timer = H._Timer("cpu", one_thread=True)
+    assert 1e8 < H.bandwidth_rate("cpu", timer) < 1e13
+    assert 1e-8 < H.op_seconds("cpu", timer) < 1e-2
+    adam = H.adamw_seconds("cpu", timer)
+    assert 0 < adam["per_param"] < 1e-6 and adam["per_tensor"] >= 0
+    att = H.attention_rates("cpu", ["fp32"], timer)
+    assert set(att["eager"]["fp32"]) == set(att["sdpa"]["fp32"]) == {"256", "1024"}
+    assert min(att["eager"]["fp32"].values()) > 1e8 and min(att["sdpa"]["fp32"].values()) > 1e8
+
+
+def test_gloo_collective_between_forked_processes():
+    from memfit.measure import hwcal as H
+
+    c = H.collective_rates(2, "gloo")
+    assert c["backend"] == "gloo" and c["bus_bytes_per_s"] > 1e6 and 0 < c["latency_s"] < 0.1
+
+
+def test_plan_batch_picks_the_fastest_micro_batch():
+    from memfit.plan.batch import micro_batches, plan_batch
+    from memfit.plan.search import plan
+
+    assert micro_batches(6) == [1, 2, 3, 6]
+    hw = parse_hardware("A100-80GB")
+    best = plan_batch(TINY, hw, seq_len=256, sequences=8, methods=["lora"])
+    rec = best.recommended.strategy
+    assert rec.micro_batch_size * rec.grad_accum == 8
+    for b in (1, 2, 4, 8):  # every option trains the same tokens per step; none is faster
+        p = plan(TINY, hw, seq_len=256, micro_batch_size=b, grad_accum=8 // b, methods=["lora"])
+        assert p.recommended.tokens_per_second <= best.recommended.tokens_per_second
+    assert {c.strategy.micro_batch_size for c in best.candidates} == {1, 2, 4, 8}
+    assert "micro-batch" in best.why[0]
