@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed_train import _free_port, _run
+from memfit.distributed.launch import torchrun_command
+from test_distributed_train import _run
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -69,9 +70,8 @@ def results(request, tmp_path_factory):
     dist = write("dist", "out2", [{"name": k, "set": v + CHUNKED} for k, v in CASES.items()])
     ref = write("ref", "out1", [{"name": m, "set": [f"method={m}", "strategy.micro_batch_size=2"]}
                                 for m in ("full", "lora")])
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-          "--master-port", str(_free_port()), "-m", "memfit.distributed.matrix", *dist], root, timeout=900)
-    _run([sys.executable, "-m", "memfit.distributed.matrix", *ref], root)
+    _run(torchrun_command("memfit.measure.engine_matrix", dist, nproc=2), root, timeout=900)
+    _run([sys.executable, "-m", "memfit.measure.engine_matrix", *ref], root)
     return json.loads(Path(dist[2]).read_text())["cases"], json.loads(Path(ref[2]).read_text())["cases"]
 
 
