@@ -63,10 +63,24 @@ CONFIGS = [
     ("3b-full-gc-sdpa", "llama-3.2-3b", dict(method="full", seq_len=2048, micro_batch_size=2,
                                              gradient_checkpointing=True), {}),
 ]
+# The second run (after the GPU physics, the chunked loss and the token-id measure path landed).
+CONFIGS_2 = [
+    ("1b-lora-gc-sdpa-2048x4", "llama-3.2-1b", dict(method="lora", seq_len=2048, micro_batch_size=4,
+                                                    gradient_checkpointing=True), {}),
+    ("1b-lora-gc-sdpa-2048x4-chunked", "llama-3.2-1b", dict(method="lora", seq_len=2048, micro_batch_size=4,
+                                                            gradient_checkpointing=True, loss="chunked"), {}),
+    ("1b-qlora-sdpa-chunked", "llama-3.2-1b", dict(method="qlora", seq_len=1024, micro_batch_size=4,
+                                                   loss="chunked"), {}),
+    ("1b-full-gc-sdpa-expseg", "llama-3.2-1b", dict(method="full", seq_len=1024, micro_batch_size=4,
+                                                    gradient_checkpointing=True),
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+]
 TINY_CONFIGS = [
     ("tiny-full", "tiny", dict(method="full", seq_len=64, micro_batch_size=2, precision="fp32"), {}),
     ("tiny-lora-gc", "tiny", dict(method="lora", seq_len=64, micro_batch_size=2, precision="fp32",
                                   gradient_checkpointing=True), {}),
+    ("tiny-lora-chunked", "tiny", dict(method="lora", seq_len=64, micro_batch_size=2, precision="fp32",
+                                       loss="chunked"), {}),
 ]
 
 
@@ -118,6 +132,8 @@ def code_paths(strategy: dict, measured: dict) -> list[str]:
                  .get(strategy.get("attention", "sdpa"), "?"))
     if strategy.get("gradient_checkpointing"):
         paths.append("checkpointing")
+    if strategy.get("loss") == "chunked":
+        paths.append("chunked cross-entropy")
     return paths
 
 
@@ -294,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="folder for models and results")
     ap.add_argument("--replay", help="a saved gpu_check.json: re-predict it with the current estimator")
     ap.add_argument("--tiny", action="store_true", help="micro shapes (a CPU check of this script)")
+    ap.add_argument("--second", action="store_true", help="the second set of configurations (chunked loss, "
+                    "long checkpointed LoRA, expandable_segments under checkpointing)")
     ap.add_argument("--only", help="comma-separated configuration names")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which no new configuration starts")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per configuration")
@@ -311,7 +329,7 @@ def main(argv=None) -> int:
         result = json.loads(Path(args.replay).read_text())
         replay_configs(result, Path(tempfile.mkdtemp(prefix="memfit-gpu-check-")))
     else:
-        configs = TINY_CONFIGS if args.tiny else CONFIGS
+        configs = TINY_CONFIGS if args.tiny else CONFIGS_2 if args.second else CONFIGS
         if args.only:
             wanted = set(args.only.split(","))
             configs = [c for c in configs if c[0] in wanted]
