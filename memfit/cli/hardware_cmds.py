@@ -65,8 +65,9 @@ def summary_lines(rates: Any, path: Any, fresh: bool) -> str:
     for k in keys:
         where = "device" if k == "device" else f"{k} thread(s)"
         for dt, row in rates.gemm[k].items():
-            lines.append(f"  GEMM {dt:5s} {where}: small {g(row['small'])}  large {g(row['large'])}  "
-                         f"skinny {g(row['skinny'])} GFLOP/s")
+            lines.append(f"  GEMM {dt:5s} {where}: " + "  ".join(f"{c} {g(row[c])}" for c in
+                                                               ("small", "medium", "large", "skinny") if c in row)
+                         + " GFLOP/s")
         att = rates.attention[k]
         lines.append(f"  attention {where}: " + "  ".join(
             f"{kind} {dt} " + ("/".join(f"{g(r)} (s={s})" for s, r in v.items()) if isinstance(v, dict) else g(v))
