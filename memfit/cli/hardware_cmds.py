@@ -65,11 +65,13 @@ def summary_lines(rates: Any, path: Any, fresh: bool) -> str:
     for k in keys:
         where = "device" if k == "device" else f"{k} thread(s)"
         for dt, row in rates.gemm[k].items():
-            lines.append(f"  GEMM {dt:5s} {where}: small {g(row['small'])}  large {g(row['large'])}  "
-                         f"skinny {g(row['skinny'])} GFLOP/s")
+            lines.append(f"  GEMM {dt:5s} {where}: " + "  ".join(f"{c} {g(row[c])}" for c in
+                                                               ("small", "medium", "large", "skinny") if c in row)
+                         + " GFLOP/s")
         att = rates.attention[k]
         lines.append(f"  attention {where}: " + "  ".join(
-            f"{kind} {dt} " + ("/".join(f"{g(r)} (s={s})" for s, r in v.items()) if isinstance(v, dict) else g(v))
+            f"{kind} {dt} " + ("/".join(f"{g(r)} (s={s})" for s, r in sorted(v.items(), key=lambda x: int(x[0])))
+                                 if isinstance(v, dict) else g(v))
             for kind in ("eager", "sdpa") for dt, v in att[kind].items()) + " GFLOP/s")
         lines.append(f"  bandwidth {where}: {g(rates.bandwidth[k])} GB/s")
     lines.append(f"  one small op (forward + backward): {rates.op_seconds * 1e6:.1f} us")

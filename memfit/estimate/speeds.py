@@ -55,6 +55,7 @@ class Speeds:
     # measured dispatch, forward + backward, of transformers' code (seconds): per decoder layer, the rest of
     # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
     overheads: Optional[tuple[float, float, float, float]] = None
+    gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
 
     def attention_rate(self, seq: float) -> float:
         """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
@@ -72,9 +73,15 @@ class Speeds:
         if min(k, n) <= 64:
             return self.gemm_skinny
         w = math.sqrt(k * n)
-        lo, hi = math.log(self.width_small), math.log(self.width_large)
-        f = 0.0 if hi <= lo else min(1.0, max(0.0, (math.log(w) - lo) / (hi - lo)))
-        return math.exp((1 - f) * math.log(self.gemm_small) + f * math.log(self.gemm_large))
+        pts = [(self.width_small, self.gemm_small), *([self.gemm_mid] if self.gemm_mid else []),
+               (self.width_large, self.gemm_large)]
+        if w <= pts[0][0]:
+            return pts[0][1]
+        for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
+            if w <= w1:
+                f = math.log(w / w0) / math.log(w1 / w0) if w1 > w0 else 1.0
+                return math.exp((1 - f) * math.log(r0) + f * math.log(r1))
+        return pts[-1][1]
 
 
 def threads_per_process(hw: HardwareSpec) -> int:
@@ -151,7 +158,8 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
-        overheads=_overheads(rates.overheads, share if cpu else 1.0))
+        overheads=_overheads(rates.overheads, share if cpu else 1.0),
+        gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else ())
 
 
 def _overheads(o: Any, share: float) -> Optional[tuple[float, float, float, float]]:

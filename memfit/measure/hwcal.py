@@ -40,14 +40,17 @@ class _Timer:
     def __init__(self, device: str, one_thread: bool = False) -> None:
         self.device, self.one_thread = device, one_thread
 
-    def __call__(self, fn: Callable[[], None], reps: int = 5, cap: float = 0.3, min_reps: int = 2) -> float:
+    def __call__(self, fn: Callable[[], None], reps: int = 9, cap: float = 0.4, min_reps: int = 3) -> float:
+        """The median of the repetitions: what a training step meets (the best of a few on a shared
+        machine drifts by ±25 % between calibrations; the median of more, shorter ones far less)."""
         fn()  # warm-up (allocations, kernel selection)
-        best, start = float("inf"), time.perf_counter()
+        times, start = [], time.perf_counter()
         for i in range(reps):
-            best = min(best, self._once(fn))
+            times.append(self._once(fn))
             if i + 1 >= min_reps and time.perf_counter() - start > cap:
                 break
-        return best
+        times.sort()
+        return times[len(times) // 2]
 
     def _once(self, fn: Callable[[], None]) -> float:
         if self.device == "cuda":
@@ -64,11 +67,13 @@ class _Timer:
 
 
 def _gemm_shapes(device: str) -> dict[str, tuple[int, int, int]]:
-    """class -> (m tokens, k in, n out). The time model interpolates in log(sqrt(k·n)) between the
-    small and large widths; skinny is LoRA's down-projection (n = rank 16)."""
+    """class -> (m tokens, k in, n out). The time model interpolates in log(sqrt(k·n)) through the
+    small, medium and large widths; skinny is LoRA's down-projection (n = rank 16)."""
     if device == "cuda":
-        return {"small": (4096, 512, 512), "large": (8192, 4096, 4096), "skinny": (8192, 4096, 16)}
-    return {"small": (2048, 128, 128), "large": (1024, 1024, 1024), "skinny": (2048, 1024, 16)}
+        return {"small": (4096, 512, 512), "medium": (8192, 1536, 1536), "large": (8192, 4096, 4096),
+                "skinny": (8192, 4096, 16)}
+    return {"small": (2048, 128, 128), "medium": (1024, 384, 384), "large": (256, 1024, 1024),
+            "skinny": (2048, 1024, 16)}
 
 
 def gemm_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[str, float]]:
