@@ -11,7 +11,13 @@ torch/transformers are imported inside the fixtures, so collecting the planner's
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Tests predict with the uncalibrated time model and never write a hardware profile into the user's cache
+# (tests of the calibration itself turn it back on with monkeypatch, under a temporary MEMFIT_CACHE).
+os.environ.setdefault("MEMFIT_HWCAL", "off")
 
 # the micro Llama memfit's train / CLI tests run: hidden 64, 2 layers, GQA 4/2, vocabulary 512
 MICRO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
