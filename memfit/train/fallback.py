@@ -176,9 +176,9 @@ def _latest_step(out: Path) -> Optional[tuple[int, str]]:
 
 
 def _write_log(out: Path, log: dict[str, Any]) -> None:
-    from memfit.train.api import _write_json_atomic
+    from memfit.io import write_json
 
-    _write_json_atomic(log, out / FALLBACK_LOG)
+    write_json(out / FALLBACK_LOG, log, "fallback log")
 
 
 def _attempt_single(run: Any, resume: bool, callbacks: Sequence, limit: Optional[int],

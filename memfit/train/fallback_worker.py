@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     from memfit.spec.run import load_run
     from memfit.distributed.ranks import rank_info
-    from memfit.train.api import _write_json_atomic
+    from memfit.io import write_json
     from memfit.train.fallback import _attempt_single, _is_oom
 
     run = load_run(spec["run_path"])
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
         if not _is_oom(err):
             raise
         rank = rank_info()[0]
-        _write_json_atomic({"rank": rank, "error": f"{type(err).__name__}: {err}"[:300]},
-                           Path(spec["markers"]) / f"oom-rank{rank}.json")
+        write_json(Path(spec["markers"]) / f"oom-rank{rank}.json",
+                   {"rank": rank, "error": f"{type(err).__name__}: {err}"[:300]})
         return 3
     return 0
 
