@@ -105,9 +105,15 @@ def _hardware(row: dict, mem_cap: float | None) -> HardwareSpec:
 def _method(row: dict) -> tuple[str, dict]:
     method = row["method"]
     pc, lora = row.get("peft_config") or {}, row.get("lora") or {}
+    dora = bool(pc.get("use_dora")) or method.endswith("+dora")
+    method = method.removesuffix("+dora")
     if method.startswith("full"):
         return "full", {}
-    if method in ("lora", "qlora") and not pc.get("use_dora") and "LoRA-FA" not in method:
+    if method in ("lora", "qlora") and "LoRA-FA" not in method:
+        if dora:  # PEFT's LoRA with use_dora: memfit's dora method (methods/dora/)
+            if method == "qlora":
+                raise Skip("QLoRA with DoRA is not a memfit method (dora runs on a 16-bit base)")
+            method = "dora"
         r = pc.get("r") or lora.get("r")
         targets = pc.get("target_modules") if pc else lora.get("targets")
         targets = targets or ["q_proj", "v_proj"]  # PEFT's Llama default
@@ -116,9 +122,10 @@ def _method(row: dict) -> tuple[str, dict]:
         targets = [t if t.endswith("_proj") or t == "all-linear" or "_" in t else f"{t}_proj" for t in targets]
         dropout = pc.get("lora_dropout", lora.get("dropout", 0.05)) or 0.0
         return method, {"lora_r": int(r or 8), "lora_targets": tuple(targets), "lora_dropout": float(dropout)}
-    missing = "DoRA" if pc.get("use_dora") else "the LoRA-FA optimizer" if "LoRA-FA" in method else \
-        f"PEFT method {pc.get('peft_type') or method}"
-    raise Skip(f"{missing} is not a memfit method (full, lora, qlora, meft)")
+    from memfit.methods import NAMES
+
+    missing = "the LoRA-FA optimizer" if "LoRA-FA" in method else f"PEFT method {pc.get('peft_type') or method}"
+    raise Skip(f"{missing} is not a memfit method ({', '.join(NAMES)})")
 
 
 def _engine(row: dict) -> dict:

@@ -35,7 +35,7 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
     # the 70B QLoRA run that ran out of memory on 80 GB is predicted not to fit
     assert rows["q70"]["status"] == "oom" and rows["q70"]["fits"] is False and rows["q70"]["verdict_ok"]
     assert out["skipped"] == [{"id": "ia3", "group": "g",
-                               "why": "PEFT method IA3 is not a memfit method (full, lora, qlora, meft)"}]
+                               "why": "PEFT method IA3 is not a memfit method (full, lora, qlora, meft, dora)"}]
     assert out["overall"]["rows"] == 2 and out["overall"]["compared"] == 2
     assert out["kinds"]["qlora, 1 GPU"]["figures"] == 2
 
