@@ -111,6 +111,7 @@ def test_measured_rates_only_for_their_device_kind():
 
 def test_cache_file_read_ignored_with_a_note(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("MEMFIT_HWCAL", raising=False)  # calibration on (tests/conftest.py turns it off)
     fp = local_fingerprint()
     assert hwprofile.load_cached(fp) == (None, None)  # nothing cached: no note
     path = hwprofile.save(rates(fingerprint=fp))
@@ -172,6 +173,7 @@ def test_calibrate_hardware_cli_caches_and_forces(tmp_path, monkeypatch, capsys)
 
 def test_plan_names_the_basis(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("MEMFIT_HWCAL", raising=False)  # calibration on (tests/conftest.py turns it off)
     hwprofile.save(rates(fingerprint=local_fingerprint()))
     code, out, _ = _cli(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "local", "--method", "lora",
                         "--seq-len", "128", "--json")
