@@ -54,6 +54,67 @@ def test_softcapping_and_scaling_follow_the_config():
     assert head_postprocess(LlamaConfig()) is None
 
 
+@pytest.mark.parametrize("cfg", [dict(final_logit_softcapping=3.0), dict(logits_scaling=2.0),
+                                 dict(logit_scale=0.5, final_logit_softcapping=2.0)])
+def test_fused_gradients_through_the_post_processing(cfg):
+    """The fused path differentiates softcapping / scaling by hand: equal to autograd through post()."""
+    torch.manual_seed(0)
+    config = LlamaConfig()
+    for k, v in cfg.items():
+        setattr(config, k, v)
+    post = head_postprocess(config)
+    head = torch.nn.Linear(H, V, bias=True)
+    hidden = (3 * torch.randn(3, 11, H)).requires_grad_()
+    labels = _labels(3, 11)
+    ref = ForCausalLMLoss(post(head(hidden)), labels, V)
+    ref_grads = torch.autograd.grad(ref * 3.0, [hidden, head.weight, head.bias])
+    got = chunked_causal_lm_loss(hidden, head, labels, chunk=4, post=post)
+    assert type(got.grad_fn.next_functions[0][0]).__name__ == "_FusedLinearCEBackward"
+    got_grads = torch.autograd.grad(got * 3.0, [hidden, head.weight, head.bias])
+    assert _close(got, ref)
+    for a, b in zip(got_grads, ref_grads):
+        assert _close(a, b)
+
+
+def _path(loss):
+    """'fused' or 'recompute': which path made ``loss`` (its divide's input)."""
+    fn = loss.grad_fn.next_functions[0][0]
+    return "fused" if type(fn).__name__ == "_FusedLinearCEBackward" else "recompute"
+
+
+def test_path_is_chosen_per_call():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(2, 9, H, requires_grad=True)
+    labels = _labels(2, 9)
+    ref = ForCausalLMLoss(head(hidden), labels, V)
+    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
+    assert _path(chunked_causal_lm_loss(hidden, head, labels, chunk=4)) == "fused"
+    # a head the engine owns (ZeRO-3 marks its parameters with ds_id), a hooked head, an unknown
+    # post-processing: the recomputing path, same numbers
+    head.weight.ds_id = 0
+    got = chunked_causal_lm_loss(hidden, head, labels, chunk=4)
+    assert _path(got) == "recompute"
+    for a, b in zip(torch.autograd.grad(got, [hidden, head.weight]), ref_grads):
+        assert _close(a, b)
+    del head.weight.ds_id
+    handle = head.register_forward_pre_hook(lambda m, a: None)
+    assert _path(chunked_causal_lm_loss(hidden, head, labels, chunk=4)) == "recompute"
+    handle.remove()
+    assert _path(chunked_causal_lm_loss(hidden, head, labels, chunk=4, post=lambda x: x * 2)) == "recompute"
+    with torch.no_grad():  # eval: no gradients to make, the plain chunk loop
+        assert chunked_causal_lm_loss(hidden, head, labels, chunk=4).grad_fn is None
+
+
+def test_fused_backward_runs_once():
+    head = torch.nn.Linear(H, V)
+    hidden = torch.randn(1, 6, H, requires_grad=True)
+    loss = chunked_causal_lm_loss(hidden, head, _labels(1, 6), chunk=4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
 def _tiny(tied: bool, seed: int = 0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2,
@@ -95,6 +156,10 @@ def test_model_loss_and_every_trainable_gradient_equal_standard(method, tied):
         if method == "lora":
             m = _lora(m)
         assert (m.get_output_embeddings().weight is m.get_input_embeddings().weight) == tied
+        if chunked:  # the fused path (no recomputation) is the one this model takes
+            ids, lab = micro[0]
+            assert _path(m(input_ids=ids, labels=lab).loss) == "fused"
+            m.zero_grad(set_to_none=True)
         results.append(_accumulated_step(m, micro))
     (ref_losses, ref_grads), (losses, grads) = results
     for a, b in zip(losses, ref_losses):

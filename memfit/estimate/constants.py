@@ -59,6 +59,7 @@ class Profile:
     activation_korthikanti: float = 0.0  # 1.0 = use the GPT-style s·b·h·(34 + 5as/h) count instead of the derived one
     logits_bytes_16bit: float = 12.0  # bytes per logit at the loss peak: fp32 log-softmax 4 + two fp32 grads 8 (the trainer drops the half logits before backward)
     logits_bytes_fp32: float = 12.0  # fp32 training: log-softmax 4 + two grads 8 (bench/estimate_vs_probe.py, tiny Llama on CPU)
+    chunked_logits_bytes: float = 8.0  # loss=chunked, fused path: per logit of one chunk, its fp32 logits (softmax and gradient made in place) + logsumexp's temporary (bench/chunked_loss.py)
     logits_live_during_recompute: float = 0.0  # with checkpointing: fraction of the logits line still live while the last layer recomputes (traced: none, the loss's backward has run)
     optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
     adamw_foreach_temp_copies: float = 1.0  # GPUs: torch AdamW's foreach step (memfit's trainer asks for "adamw_torch"; the HF Trainer's default before torch 2.8) allocates exp_avg_sq_sqrt, one state-sized tensor per param (torch/optim/adam.py:762); fused AdamW: 0

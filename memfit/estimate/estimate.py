@@ -170,9 +170,21 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     act_fwd = float(b) * s * (r_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
-    logits = M.logits_bytes(model, s, b, prec, p, st.loss)
-    if st.loss == "chunked":  # + the chunks' hidden-state gradients, held until backward concatenates them
+    # loss=chunked: the fused path (gradients made in the forward) except under DeepSpeed ZeRO-3, whose
+    # partitioned head weight only the module call gathers (the recomputing path)
+    fused = st.loss == "chunked" and not (engine == "zero3" and not fsdp)
+    logits = M.logits_bytes(model, s, b, prec, p, st.loss, fused)
+    head_grad = 0.0
+    if st.loss == "chunked":  # + the hidden-state gradients the loss makes in the forward, held for backward
         logits += float(b) * s * model.hidden * r_b
+        # full fine-tuning: + the head weight's gradient, accumulated over the chunks in the forward and held
+        # until backward hands it to .grad (the fused path; under DeepSpeed ZeRO-3 the loss recomputes
+        # instead and makes it in backward). In the weight's dtype: fp32 under DDP's autocast, FSDP's
+        # unsharded compute dtype, ZeRO-1/2's 16-bit module weights
+        if method == "full" and fused:
+            hb = g_b if family == "ddp" else min(g_b, half)
+            head_grad = float(model.head_parameters or model.embedding_parameters) * hb
+            logits += head_grad
     lora_int = 0.0
     if adapter_params:
         lora_int = M.lora_intermediate_bytes(model, s, b, e, targets, st.lora_r, st.lora_dropout, gc, p,
@@ -248,7 +260,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     phases = [(g_keep + autocast_copy + saved + logits + tail_bufs, mask)]  # A: start of backward
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
-    fwd_logits = logits * ((e if e != 4.0 else 0.0) + 8.0) / 12.0
+    fwd_logits = (logits - head_grad) * ((e if e != 4.0 else 0.0) + 8.0) / 12.0 + head_grad
+    if fused:  # the fused chunked loss makes its chunks' gradients in the forward: all of its line is live there
+        fwd_logits = logits
     phases.append((g_keep + autocast_copy + saved + act_fwd + min(fwd_logits, logits) + tail_bufs, mask + act_fwd))
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters
@@ -260,7 +274,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
-        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * logits + g_last, act_bwd),
+        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - head_grad) + g_last, act_bwd),
                    (g_keep + working + act_in / model.layers + g_first, act_bwd)]  # B2: the first layer
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),

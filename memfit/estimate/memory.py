@@ -82,15 +82,20 @@ def numbers(model: ModelSpec) -> ModelNumbers:
 
 
 def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile,
-                 loss: str = "standard") -> float:
+                 loss: str = "standard", fused: bool = True) -> float:
     """b·s·V values at the loss peak: the logits, the fp32 log-softmax and two fp32 gradients. With
-    ``loss="chunked"`` (memfit.train.loss) one chunk of ``loss_chunk_tokens`` tokens: the forward frees
-    each chunk's logits, backward recomputes them chunk by chunk, so the same per-logit bytes are live for
-    one chunk at a time (the recomputed logits, their log-softmax and the two gradients)."""
+    ``loss="chunked"`` (memfit.train.loss) one chunk of ``loss_chunk_tokens`` tokens: the forward makes
+    each chunk's logits, loss and gradients and frees them before the next chunk (or, on the recomputing
+    path, backward recomputes them chunk by chunk), so the same per-logit bytes are live for one chunk at
+    a time: on the fused path (``fused``) ``chunked_logits_bytes`` per logit (the chunk's fp32 logits, turned
+    into the softmax and the gradient in place, and logsumexp's temporary), on the recomputing path the
+    standard path's (the recomputed logits, their log-softmax and the two gradients)."""
     per = profile.logits_bytes_fp32 if precision == "fp32" else profile.logits_bytes_16bit
     tokens = float(b) * s
     if loss == "chunked":
         tokens = float(loss_chunk_tokens(model.vocab, b * s))
+        if fused:
+            per = profile.chunked_logits_bytes
     return tokens * model.vocab * per
 
 

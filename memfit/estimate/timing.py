@@ -141,8 +141,11 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     adapter = 2.0 * T * r * ad_width * (3.0 + (1.0 if gc else 0.0)) * L
     adapter_s = adapter / sp.gemm_skinny
     head = 2.0 * T * model.hidden * model.vocab * (3.0 if full else 2.0)
-    chunked = getattr(st, "loss", "standard") == "chunked"
-    if chunked:  # memfit.train.loss recomputes each chunk's logits in backward: one more head forward
+    # loss=chunked (memfit.train.loss): the same head matmuls, chunk by chunk; the gradient ones (input and,
+    # when the head trains, weight) run in the forward instead of the backward, nothing is recomputed. Under
+    # DeepSpeed ZeRO-3 (partitioned head weight) the loss takes its recomputing path: one more head forward
+    recompute = getattr(st, "loss", "standard") == "chunked" and getattr(st, "engine", "") == "zero3"
+    if recompute:
         head += 2.0 * T * model.hidden * model.vocab
     dense, dense_s = dense + head, dense_s + head / sp.gemm(model.hidden, model.vocab)
     if meft_rows:  # every token meets the buffered rows of keys and values: 2·h·rows each, x3 with backward
@@ -155,8 +158,10 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
                      for lin in model.linears if lin.name in adapted)
     mem = T * L * (elementwise_bytes(model, e) + lora_bytes) * fwd
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
-    mem += T * model.vocab * (10 * 4.0 + 2 * e)  # loss: upcast, log-softmax, gather, its gradient, cast
-    if chunked:  # the recomputed chunk's forward part of the loss again: write, upcast, log-softmax
+    # loss: upcast, log-softmax, gather, its gradient, cast (the chunked loss's in-forward softmax − one-hot
+    # makes the same passes over each chunk)
+    mem += T * model.vocab * (10 * 4.0 + 2 * e)
+    if recompute:  # the recomputed chunk's forward part of the loss again: write, upcast, log-softmax
         mem += T * model.vocab * (4 * 4.0 + e)
     if full:  # the embedding's dense gradient: zeroed and scattered into
         mem += 2.0 * 4.0 * model.vocab * model.hidden

@@ -117,8 +117,11 @@ def rule_key(s: Strategy) -> tuple:
 
 
 def _rank_key(est: Any) -> tuple:
-    """Fastest first; at equal speed the one holding less memory per node (its GPUs + its CPU RAM)."""
-    return (est.step_seconds, est.gpu_total * est.hardware.gpus_per_node + est.cpu_total, est.gpu_total)
+    """Fastest first; at equal speed the standard loss (the chunked one costs the same time, so it is a
+    memory lever: chosen when it makes a combination fit or a faster one possible, not for memory that is
+    not needed), then the one holding less memory per node (its GPUs + its CPU RAM)."""
+    return (est.step_seconds, getattr(est.strategy, "loss", "standard") != "standard",
+            est.gpu_total * est.hardware.gpus_per_node + est.cpu_total, est.gpu_total)
 
 
 def plan(
@@ -200,10 +203,12 @@ def chunked_loss_note(p: Plan) -> Optional[str]:
     if twin is None:
         return None
     std, chk = twin.estimate, rec
+    pct = _pct(chk.step_seconds, std.step_seconds)
+    cost = "at the same step time" if pct in ("+0%", "-0%") else f"for {pct} step time"
     return (f"The chunked cross-entropy (--loss chunked) is what makes it fit: with the standard loss the same "
             f"combination {short_reason(std, p.hardware)}; chunking the output layer takes its logits from "
-            f"{_gb(std.gpu['logits'])} to {_gb(chk.gpu['logits'])} for {_pct(chk.step_seconds, std.step_seconds)} "
-            "step time (the head recomputed in backward).")
+            f"{_gb(std.gpu['logits'])} to {_gb(chk.gpu['logits'])} {cost} (its gradients computed chunk by chunk in "
+            "the forward, nothing recomputed).")
 
 
 def _recipe(s: Strategy) -> tuple:
