@@ -227,7 +227,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
-    mb = micro_batch(model, sp, st, e, method == "full", adapted if method in ("lora", "qlora", "dora") else frozenset(),
+    mb = micro_batch(model, sp, st, e, method == "full", adapted,  # adapted: empty unless LoRA-style (the registry)
                      meft_rows, p_t if method == "meft" else 0.0)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
