@@ -36,6 +36,7 @@ ROLES = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "query_k
          "shared_expert.down_proj": "mlp_out", "c_attn": "attn_in", "attn.c_proj": "attn_out", "c_fc": "mlp_in",
          "mlp.c_proj": "mlp_out"}  # any other (gate/up, experts' w1/w3, routers) reads the MLP's norm output
 _CACHE: dict = {}
+_PER_TOKEN: dict = {}
 
 
 def savers(model: ModelSpec, method: str, adapted: frozenset, shares: bool) -> tuple[int, int, int, int, int]:
@@ -168,7 +169,13 @@ def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str,
                 * korthikanti_layer_bytes(model, s, b, attention) * scale, 0.0, 0.0)
     sv = savers(model, method, adapted, shares)
     trained = method == "full"
-    per_tok, mlp_side, score = layer_saved_per_token(model, e, r, attention, sv, autocast, trained, e_mlp)
+    key = (id(model), e, r, attention, sv, autocast, trained, e_mlp)
+    hit = _PER_TOKEN.get(key)
+    if hit is None or hit[0] is not model:  # cached: the planner asks for the same layer thousands of times
+        if len(_PER_TOKEN) > 4096:
+            _PER_TOKEN.clear()
+        hit = _PER_TOKEN[key] = (model, layer_saved_per_token(model, e, r, attention, sv, autocast, trained, e_mlp))
+    per_tok, mlp_side, score = hit[1]
     layer = b * s * per_tok + b * model.heads * float(s) * s * score
     tail = b * s * (norm_input_bytes(model, r, trained) + (e * model.hidden if sv[4] else 0.0))
     # the product (or an adapter's own copy of it) is saved, and freed when the MLP's backward begins

@@ -8,8 +8,7 @@ thousands of times by the planner: keep them free of object construction.
 
 from __future__ import annotations
 
-import math
-
+from memfit.estimate.activations import ROLES
 from memfit.estimate.constants import Profile
 from memfit.spec.model import ModelSpec
 from memfit.spec.strategy import loss_chunk_tokens
@@ -49,7 +48,7 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed",
 class ModelNumbers:
     """Per-model constants precomputed once (the planner calls estimate() thousands of times)."""
 
-    __slots__ = ("model", "linear_params", "other_params", "layer_params", "largest_linear", "_lora")
+    __slots__ = ("model", "linear_params", "other_params", "layer_params", "largest_linear", "_lora", "_adapted")
 
     def __init__(self, m: ModelSpec) -> None:
         self.model = m
@@ -58,6 +57,7 @@ class ModelNumbers:
         self.layer_params = m.layer_parameters
         self.largest_linear = max(lin.in_features * lin.out_features for lin in m.linears)
         self._lora: dict = {}
+        self._adapted: dict = {}
 
     def lora_sums(self, targets) -> tuple[int, int, frozenset]:
         """(adapted linears per layer, sum of their in_features, their names) for ``targets`` (cached)."""
@@ -67,6 +67,19 @@ class ModelNumbers:
             hit = (sum(lin.count * lin.active for lin in lins),
                    sum(lin.count * lin.active * lin.in_features for lin in lins), frozenset(lin.name for lin in lins))
             self._lora[targets] = hit
+        return hit
+
+
+    def adapted_linears(self, adapted: frozenset) -> tuple[int, tuple, int]:
+        """For the adapted linears named ``adapted`` (cached): (the widest in_features, (in_features, count,
+        active) of those that do not read the layer's input, the in_features summed over those that do)."""
+        hit = self._adapted.get(adapted)
+        if hit is None:
+            lins = [lin for lin in self.model.linears if lin.name in adapted]
+            hit = (max((lin.in_features for lin in lins), default=0),
+                   tuple((lin.in_features, lin.count, lin.active) for lin in lins if ROLES.get(lin.name) != "attn_in"),
+                   sum(lin.in_features for lin in lins if ROLES.get(lin.name) == "attn_in"))
+            self._adapted[adapted] = hit
         return hit
 
 
@@ -97,39 +110,6 @@ def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Prof
         if fused:
             per = profile.chunked_logits_bytes
     return tokens * model.vocab * per
-
-
-def lora_intermediate_bytes(model: ModelSpec, s: int, b: int, e: float, targets, r: int, dropout: float,
-                            checkpointing: bool, profile: Profile, cast_copy: float = 0.0,
-                            mask_bytes: float = 1.0) -> float:
-    """Per adapted linear: the rank-r intermediate (s·b·r, fp32 when PEFT casts to fp32 adapters in pure
-    bf16) and the input lora_A saves when it is its own copy: with lora_dropout > 0 the dropped copy (or
-    the cast of it, ``cast_copy`` bytes per value) and the dropout mask (``mask_bytes``: a 1-byte mask
-    from CUDA's fused dropout, a noise tensor in the input's dtype on CPU); without dropout the cast
-    copy, else nothing (lora_A reads the base linear's input: counted with the activations). With
-    checkpointing only the recomputed layer(s)."""
-    count, sum_in, _ = numbers(model).lora_sums(targets)
-    copy = ((cast_copy or e) + mask_bytes) if dropout > 0 else cast_copy
-    rank = 4.0 if cast_copy == 4.0 else e
-    per_layer = (count * rank * r + copy * sum_in) * b * s
-    layers = profile.checkpoint_extra_layers if checkpointing else model.layers
-    return per_layer * layers
-
-
-def meft_buffer_rows(neurons: int, top_k: int, profile: Profile) -> float:
-    """Rows of each layer's fixed device buffers (memfit.meft's default buffer_size):
-    max(top_k, ceil(neurons x ``meft_buffer_fraction``)), capped at the neurons."""
-    return float(min(neurons, max(top_k, math.ceil(neurons * profile.meft_buffer_fraction))))
-
-
-def meft_rows(model: ModelSpec, neurons: int, top_k: int, b: int, s: int, profile: Profile) -> float:
-    """Distinct adapter rows (β·K) a micro-batch activates per layer: the top-K union over b·s tokens,
-    capped by the device buffer (:func:`meft_buffer_rows`)."""
-    return float(min(meft_buffer_rows(neurons, top_k, profile), top_k * b * s))
-
-
-def meft_experts(neurons: int, experts) -> int:
-    return int(math.ceil(math.sqrt(neurons))) if experts == "auto" else int(experts)
 
 
 def with_buckets(profile: Profile, model: ModelSpec, distributed) -> Profile:

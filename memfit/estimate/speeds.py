@@ -201,17 +201,25 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
 def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
     """Measured speeds for a calibrated 'local' pool of the same device kind, else the catalog's."""
     rates: Optional[Any] = getattr(hw, "rates", None)
+    if rates is None:  # the catalog's: by identity first (hashing the Profile's fields costs more than the rest)
+        same = _BY_ID.get((id(hw), id(profile), precision, attention))
+        if same is not None and same[0] is hw and same[1] is profile:
+            return same[2]
     key = (hw, id(rates), precision, attention, profile, threads_per_process(hw) if rates is not None else 0)
     hit = _CACHE.get(key)
-    if hit is not None and hit[0] is rates:
-        return hit[1]
-    if len(_CACHE) > 1024:
-        _CACHE.clear()
-    _CACHE[key] = (rates, _speeds(hw, rates, precision, attention, profile))
-    return _CACHE[key][1]
+    if hit is None or hit[0] is not rates:
+        if len(_CACHE) > 1024:
+            _CACHE.clear()
+        hit = _CACHE[key] = (rates, _speeds(hw, rates, precision, attention, profile))
+    if rates is None:
+        if len(_BY_ID) > 1024:
+            _BY_ID.clear()
+        _BY_ID[(id(hw), id(profile), precision, attention)] = (hw, profile, hit[1])  # holds them: ids stay theirs
+    return hit[1]
 
 
 _CACHE: dict = {}
+_BY_ID: dict = {}
 
 
 def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: Profile) -> Speeds:

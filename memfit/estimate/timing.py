@@ -111,6 +111,41 @@ def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc
 
 
 _SUMS: dict = {}
+_PER_MODEL: dict = {}
+
+
+def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
+    """(in_features, out_features) of the adapted linears, in the model's order (cached)."""
+    key = (id(model), adapted)
+    hit = _PER_MODEL.get(key)
+    if hit is None or hit[0] is not model:
+        if len(_PER_MODEL) > 4096:
+            _PER_MODEL.clear()
+        hit = _PER_MODEL[key] = (model, tuple((x.in_features, x.out_features) for x in model.linears
+                                              if x.name in adapted))
+    return hit[1]
+
+
+def _head_rate(model: ModelSpec, sp: Speeds) -> float:
+    """``sp.gemm(hidden, vocab)``: the output head's FLOP/s (cached per model and speeds)."""
+    key = ("head", id(model), id(sp))
+    hit = _PER_MODEL.get(key)
+    if hit is None or hit[0] is not model or hit[1] is not sp:
+        if len(_PER_MODEL) > 4096:
+            _PER_MODEL.clear()
+        hit = _PER_MODEL[key] = (model, sp, sp.gemm(model.hidden, model.vocab))
+    return hit[2]
+
+
+def _elementwise(model: ModelSpec, e: float) -> float:
+    """:func:`elementwise_bytes`, cached per model and value size."""
+    key = (id(model), e)
+    hit = _PER_MODEL.get(key)
+    if hit is None or hit[0] is not model:
+        if len(_PER_MODEL) > 4096:
+            _PER_MODEL.clear()
+        hit = _PER_MODEL[key] = (model, elementwise_bytes(model, e))
+    return hit[1]
 
 
 def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
@@ -147,16 +182,16 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     recompute = getattr(st, "loss", "standard") == "chunked" and getattr(st, "engine", "") == "zero3"
     if recompute:
         head += 2.0 * T * model.hidden * model.vocab
-    dense, dense_s = dense + head, dense_s + head / sp.gemm(model.hidden, model.vocab)
+    dense, dense_s = dense + head, dense_s + head / _head_rate(model, sp)
     if meft_rows:  # every token meets the buffered rows of keys and values: 2·h·rows each, x3 with backward
         fm = 12.0 * T * model.hidden * meft_rows * L
         fr = 6.0 * T * router  # MEFT's router (h x experts per layer), trained like any parameter
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
-    lora_bytes = sum((4.0 + (4.0 if st.lora_dropout > 0 else 0.0)) * e * lin.in_features + 3.0 * e * lin.out_features
-                     for lin in model.linears if lin.name in adapted)
-    mem = T * L * (elementwise_bytes(model, e) + lora_bytes) * fwd
+    lora_bytes = sum((4.0 + (4.0 if st.lora_dropout > 0 else 0.0)) * e * in_features + 3.0 * e * out_features
+                     for in_features, out_features in _adapted_shapes(model, adapted))
+    mem = T * L * (_elementwise(model, e) + lora_bytes) * fwd
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
     # loss: upcast, log-softmax, gather, its gradient, cast (the chunked loss's in-forward softmax − one-hot
     # makes the same passes over each chunk)
@@ -197,7 +232,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
-    mb = micro_batch(model, sp, st, e, method == "full", adapted if method in ("lora", "qlora", "dora") else frozenset(),
+    mb = micro_batch(model, sp, st, e, method == "full", adapted,  # adapted: empty unless LoRA-style (the registry)
                      meft_rows, p_t if method == "meft" else 0.0)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)

@@ -9,7 +9,7 @@ peft inside the function, so importing a method costs nothing. Imports only :mod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 GC_KWARGS = {"use_reentrant": False}  # non-reentrant checkpointing: no "tensors does not require grad" trap
 ALL_LINEAR = "all-linear"
@@ -73,6 +73,30 @@ def enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)
 
 
+class Parameters(NamedTuple):
+    """What a method trains and what it keeps frozen, as the estimator counts it (:meth:`Method.parameters`)."""
+
+    trainable: float             # parameters with gradients and optimizer state where the engine keeps them
+    frozen_bytes: float          # the frozen base's bytes at storage
+    quant_state: float = 0.0     # NF4 absmax (+ nested quant): module attributes FSDP/ZeRO neither shard nor offload
+    fp32_stream: bool = False    # QLoRA after prepare_model_for_kbit_training: fp32 embeddings, norms and head
+    targets: Optional[tuple] = None  # LoRA targets as counted (None: the method adapts no linears)
+    adapted: frozenset = frozenset()  # names of the adapted linears (empty when nothing is adapted)
+
+
+class AdapterMemory(NamedTuple):
+    """Device and host bytes of a method's own tensors (:meth:`Method.adapter_memory`)."""
+
+    intermediates: float = 0.0   # saved adapter tensors (LoRA's rank-r outputs, dropout copies...): lora_intermediates
+    buffers: float = 0.0         # device buffers incl. the saved tensors below: meft_buffers
+    buffers_saved: float = 0.0   # of ``buffers``, the part saved for backward (an activation, not static)
+    host: float = 0.0            # bytes per process in CPU RAM (MEFT's store)
+    rows: float = 0.0            # MEFT's rows used per layer (the time model's adapter matmuls)
+
+
+NO_ADAPTER = AdapterMemory()
+
+
 class Method:
     """A fine-tuning method. Subclasses set the class attributes and override the steps they change."""
 
@@ -89,7 +113,41 @@ class Method:
         """Reasons ``strategy`` cannot run this method on ``model`` / ``hardware`` whatever the memory."""
         return []
 
-    # The estimator counts a method by its ``family``; these two hooks add what the method holds beyond it.
+    # ---------------------------------------------------------------- the estimator's terms (plain Python)
+    # The estimator (memfit.estimate) asks each method for its own memory terms; the engine and phase
+    # logic stays there. ``profile`` is memfit.estimate's Profile, ``numbers`` its per-model ModelNumbers.
+    fp32_adapters = False    # PEFT keeps the adapters in fp32 on a 16-bit base (unless DeepSpeed casts them)
+    quantized = False        # the frozen base is 4-bit: dequantised one linear at a time, NF4 loading peak
+
+    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+        """Trained parameters and frozen bytes (``half``: bytes of a value in the compute dtype)."""
+        raise NotImplementedError
+
+    def reported_trainable(self, model: Any, strategy: Any, trainable: float) -> float:
+        """Trainable parameters as reported (``trainable`` plus any kept outside the GPU)."""
+        return trainable
+
+    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+                       compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
+                       on_cpu: bool) -> AdapterMemory:
+        """The method's own activations and buffers: ``compute_bytes`` a value in the compute dtype,
+        ``cast_bytes`` PEFT's cast of an adapter input (0: none), ``mask_bytes`` a dropout mask value,
+        ``rank_bytes`` a value of the adapter path's outputs; ``on_cpu``: the device is this machine's RAM."""
+        return NO_ADAPTER
+
+    def working_weight_bytes(self, numbers: Any) -> float:
+        """Weight bytes live beside the stored weights while a layer runs (QLoRA: one dequantised linear)."""
+        return 0.0
+
+    def gathered_per_element(self, strategy: Any, profile: Any) -> float:
+        """Stored elements per parameter (ZeRO-3's gather limits count elements of the stored tensors)."""
+        return 1.0
+
+    def traffic(self, model: Any, strategy: Any, profile: Any) -> Optional[dict]:
+        """CPU<->device bytes per step of the method itself (MEFT), for the time model; None: none."""
+        return None
+
+    # LoRA-style methods count their adapters; these two hooks add what a variant holds beyond them.
     def extra_trainable_parameters(self, model: Any, targets: Any) -> int:
         """Trained parameters beyond the family's (they get gradients and optimizer state like the rest)."""
         return 0

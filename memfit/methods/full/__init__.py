@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.methods.base import Method, enable_checkpointing
+from memfit.methods.base import Method, Parameters, enable_checkpointing
 
 
 class Full(Method):
@@ -12,6 +12,9 @@ class Full(Method):
     trains_base = True
     output = "model"
     traced = True
+
+    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+        return Parameters(float(model.parameters), 0.0)
 
     def build(self, model: Any, run: Any, engine: Any) -> tuple[Any, list[str]]:
         if run.strategy.gradient_checkpointing:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.errors import ConfigError
-from memfit.methods.base import Method, enable_checkpointing, matched_linears, peft_target_modules
+from memfit.methods.base import (ALL_LINEAR, NO_ADAPTER, AdapterMemory, Method, Parameters, enable_checkpointing,
+                                 matched_linears, peft_target_modules)
 
 
 def model_linear_names(model: Any) -> list[str]:
@@ -20,11 +21,65 @@ def model_linear_names(model: Any) -> list[str]:
     return sorted(names)
 
 
+def intermediate_bytes(model: Any, numbers: Any, s: int, b: int, e: float, targets, r: int, dropout: float,
+                       checkpointing: bool, profile: Any, cast_copy: float = 0.0, mask_bytes: float = 1.0) -> float:
+    """Per adapted linear: the rank-r intermediate (s·b·r, fp32 when PEFT casts to fp32 adapters in pure
+    bf16) and the input lora_A saves when it is its own copy: with lora_dropout > 0 the dropped copy (or
+    the cast of it, ``cast_copy`` bytes per value) and the dropout mask (``mask_bytes``: a 1-byte mask
+    from CUDA's fused dropout, a noise tensor in the input's dtype on CPU); without dropout the cast
+    copy, else nothing (lora_A reads the base linear's input: counted with the activations). With
+    checkpointing only the recomputed layer(s)."""
+    count, sum_in, _ = numbers.lora_sums(targets)
+    copy = ((cast_copy or e) + mask_bytes) if dropout > 0 else cast_copy
+    rank = 4.0 if cast_copy == 4.0 else e
+    per_layer = (count * rank * r + copy * sum_in) * b * s
+    layers = profile.checkpoint_extra_layers if checkpointing else model.layers
+    return per_layer * layers
+
+
 class Lora(Method):
     name = family = "lora"
     fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
     traced = True
     use_dora = False
+    fp32_adapters = True
+
+    # ---------------------------------------------------------------- the estimator's terms
+    def counted_targets(self, strategy: Any, numbers: Any) -> tuple:
+        """The targets as counted: PEFT's Llama-style default on a model without those names means all linears."""
+        targets = strategy.lora_targets
+        if not numbers.lora_sums(targets)[0] and targets == type(strategy).model_fields["lora_targets"].default:
+            return (ALL_LINEAR,)
+        return targets
+
+    def frozen(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> tuple[float, float, bool]:
+        """(frozen base bytes, quantisation state bytes, fp32 residual stream): 16-bit weights (QLoRA overrides)."""
+        return float(model.parameters) * half, 0.0, False
+
+    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+        targets = self.counted_targets(strategy, numbers)
+        trainable = float(model.lora_parameters(targets, strategy.lora_r)
+                          + self.extra_trainable_parameters(model, targets))
+        adapted = numbers.lora_sums(targets)[2] if trainable else frozenset()
+        frozen_bytes, quant_state, fp32_stream = self.frozen(model, strategy, profile, numbers, half)
+        return Parameters(trainable, frozen_bytes, quant_state, fp32_stream, targets, adapted)
+
+    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+                       compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
+                       on_cpu: bool) -> AdapterMemory:
+        if not params.adapted:
+            return NO_ADAPTER
+        st, tokens, gc = strategy, strategy.micro_batch_size * strategy.seq_len, strategy.gradient_checkpointing
+        b, s = st.micro_batch_size, st.seq_len
+        saved = intermediate_bytes(model, numbers, s, b, compute_bytes, params.targets, st.lora_r, st.lora_dropout,
+                                   gc, profile, cast_copy=cast_bytes, mask_bytes=mask_bytes)
+        if st.lora_dropout > 0 and not gc:  # layer 0: dropout on an input that needs no gradient keeps
+            # no mask (checkpointing makes the embeddings' output require grad: then it does)
+            saved -= float(b) * s * mask_bytes * numbers.adapted_linears(params.adapted)[2]
+        saved += self.extra_saved_bytes(
+            model, st, params.targets, tokens=tokens, compute_bytes=compute_bytes, adapter_bytes=rank_bytes,
+            cast_bytes=cast_bytes, layers=profile.checkpoint_extra_layers if gc else model.layers)
+        return AdapterMemory(intermediates=saved)
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
         names = model.linear_names()

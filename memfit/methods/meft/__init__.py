@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.methods.base import Method, enable_checkpointing
+from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
+from memfit.methods.meft.memory import meft_experts, meft_memory, meft_traffic_bytes
 
 # MEFT keeps fp32 keys/values, their gradients and Adam's two moments in CPU memory.
 MEFT_CPU_BYTES_PER_PARAM = 16
@@ -15,6 +16,25 @@ class Meft(Method):
     name = family = "meft"
     output = "meft"
     fields = ("meft_neurons", "meft_top_k", "meft_experts", "meft_n_probe")
+
+    # ---------------------------------------------------------------- the estimator's terms
+    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+        """The router (hidden x experts per layer) is trained on the GPU; the adapter lives on the CPU."""
+        experts = meft_experts(strategy.meft_neurons, strategy.meft_experts)
+        return Parameters(float(model.layers * model.hidden * experts), float(model.parameters) * half)
+
+    def reported_trainable(self, model: Any, strategy: Any, trainable: float) -> float:
+        return trainable + 2.0 * model.layers * strategy.meft_neurons * model.hidden  # keys and values
+
+    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+                       compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
+                       on_cpu: bool) -> AdapterMemory:
+        buffers, saved, host, rows = meft_memory(model, strategy, profile, compute_bytes, on_cpu)
+        return AdapterMemory(0.0, buffers, saved, host, rows)
+
+    def traffic(self, model: Any, strategy: Any, profile: Any) -> dict:
+        return {**meft_traffic_bytes(model, strategy, profile),
+                "experts": meft_experts(strategy.meft_neurons, strategy.meft_experts)}
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
         s = strategy

@@ -11,12 +11,35 @@ from memfit.methods.lora import Lora
 
 # The dtype FSDP / ZeRO-3 flatten parameters to, per precision: QLoRA's quant storage must equal it.
 PARAM_DTYPE = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+STORAGE_BYTES = {"uint8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}  # bnb_4bit_quant_storage element
 
 
 class QLora(Lora):
     name = family = "qlora"
     fields = (*Lora.fields, "quant_storage", "double_quant")
     traced = False  # bitsandbytes kernels have no FakeTensor support
+    quantized = True
+
+    # ---------------------------------------------------------------- the estimator's terms
+    def frozen(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> tuple[float, float, bool]:
+        """NF4 linears (+ absmax), the rest in fp32 after k-bit preparation (16-bit under ZeRO-3/FSDP)."""
+        st, p = strategy, profile
+        absmax = p.nf4_absmax_bytes_double_quant if st.double_quant else p.nf4_absmax_bytes
+        # prepare_model_for_kbit_training upcasts the rest to fp32, but not under ZeRO-3/FSDP (it breaks
+        # their uniform-dtype flattening: fsdp-qlora.md), where it stays in the 16-bit storage dtype
+        upcast = p.qlora_fp32_upcast and not (st.fsdp or st.zero_stage == 3)
+        other_b = 4.0 if (upcast or st.precision == "fp32") else 2.0
+        frozen_bytes = numbers.linear_params * (p.nf4_bytes_per_param + absmax) + numbers.other_params * other_b
+        quant_state = numbers.linear_params * absmax
+        if st.fsdp and st.quant_storage == "uint8":  # accelerate leaves non-float Params4bit out of FSDP2
+            quant_state += numbers.linear_params * p.nf4_bytes_per_param  # (fsdp_utils.py:800-811): replicated
+        return frozen_bytes, quant_state, bool(upcast) and st.precision != "fp32"
+
+    def working_weight_bytes(self, numbers: Any) -> float:
+        return numbers.largest_linear * 2.0  # one Linear4bit dequantised to 16-bit at a time
+
+    def gathered_per_element(self, strategy: Any, profile: Any) -> float:
+        return STORAGE_BYTES[strategy.quant_storage] / profile.nf4_bytes_per_param  # NF4: 2 values per uint8
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
         s = strategy

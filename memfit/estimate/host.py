@@ -1,0 +1,60 @@
+"""CPU RAM per node, and the verdict: why a run does not fit."""
+
+from __future__ import annotations
+
+from memfit.estimate.setup import Setup
+from memfit.estimate.states import States
+
+
+def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, float], float]:
+    """(CPU RAM lines per node, the steady-state part): the processes' baseline + max(steady state with
+    offload, model loading)."""
+    p, st, procs, gpu = run.profile, run.strategy, run.hardware.gpus_per_node, run.gpu
+    pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu else 0.0
+    steady = procs * (states.cpu_optim + states.cpu_grads + states.cpu_params + pinned + meft_store)
+    # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
+    load_b = 4.0 if run.precision == "fp32" or (run.method.trains_base and run.precision in ("fp16-mixed",
+                                                                                          "bf16-mixed")) else 2.0
+    total = run.total_params
+    if gpu.is_cpu:
+        loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
+    elif run.engine == "zero3" and not run.fsdp or (run.method.quantized and not run.fsdp):
+        loading = procs * p.checkpoint_shard_bytes  # zero.Init / device_map: one shard at a time
+    elif st.fsdp == "full_shard":
+        loading = total * load_b  # cpu_ram_efficient_loading: rank 0 materialises one 16-bit copy per node
+        # (QLoRA too: rank 0 reads the 16-bit checkpoint before quantising — the "140 GB" of fsdp-qlora.md)
+    else:
+        loading = procs * total * load_b  # every process builds a full copy before moving it to its GPU
+    if gpu.is_cpu:  # no CUDA libraries or context; torchrun ranks add a process group and engine imports
+        baseline = procs * (p.process_baseline_bytes_cpu + (p.process_baseline_dist_cpu if run.world > 1 else 0.0))
+    else:
+        baseline = procs * p.process_baseline_bytes
+    return {"process_baseline": baseline, "model_loading": loading, "offloaded_optimizer": procs * states.cpu_optim,
+            "offloaded_gradients": procs * states.cpu_grads, "offloaded_params": procs * states.cpu_params,
+            "pinned_buffers": procs * pinned, "meft_store": procs * meft_store,
+            "total": baseline + max(steady, loading)}, steady
+
+
+def verdict(run: Setup, gpu_total: float, cpu_total: float, gpu_loading: float, cuda_ctx: float, margin: float,
+            usable: float) -> list[str]:
+    """Why the run does not fit (empty: it fits)."""
+    gpu, hardware, per_node = run.gpu, run.hardware, run.hardware.gpus_per_node
+    reasons = []
+    if gpu.is_cpu:  # one RAM holds every process's "device" lines and the process/offload lines
+        need = per_node * gpu_total + cpu_total
+        if need > usable:
+            procs_txt = f"{per_node} x " if per_node > 1 else ""
+            reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {procs_txt}{gpu_total / 1e9:.2f} + process/offload "
+                           f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; over by {(need - usable) / 1e9:.2f} GB")
+        return reasons
+    if gpu_total > usable:
+        reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
+                       f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
+    elif gpu_loading + cuda_ctx > usable:
+        reasons.append(f"GPU memory while loading: quantising to NF4 holds {(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
+                       f"per GPU before training starts, "
+                       f"usable {usable / 1e9:.2f} GB; over by {(gpu_loading + cuda_ctx - usable) / 1e9:.2f} GB")
+    if cpu_total > hardware.cpu_ram_bytes:
+        reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
+                       f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
+    return reasons

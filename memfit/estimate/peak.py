@@ -1,0 +1,105 @@
+"""What is live at the same time: the step's peak over its phases, and the allocator's overhead.
+
+Each line of the estimate is that component's own peak. Gradients are freed every step (set_to_none;
+DeepSpeed drops its averaged partitions after the step, as measured with gloo on CPU), so with
+grad_accum = 1 they build up only while backward frees activations; with accumulation they are live
+throughout. Phases: A = start of backward (all saved activations + logits); F = the loss at the end of
+forward; with checkpointing B1 = last layer recomputing (inputs + its working set + logits' grads); B2 =
+backward at the first layer (its working set + nearly all gradients); C = the optimizer step (grads +
+step temporaries).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memfit.estimate import cuda as CU
+from memfit.estimate.saved import Saved
+from memfit.estimate.setup import Setup
+from memfit.estimate.states import Buffers, States
+from memfit.methods.base import Parameters
+
+
+class Peak(NamedTuple):
+    phase: float            # bytes of the peak phase beyond the static lines
+    held: float             # the activation working memory that phase holds beyond the saved tensors
+    step_phase: float       # bytes of phase C (the optimizer step)
+    mask: float             # the causal mask checkpointing keeps as a layer input (eager)
+
+
+def step_temporaries(run: Setup, params: Parameters, engine_step_temp: float) -> float:
+    """Live only inside the optimizer step: optimizer temporaries, DeepSpeed's fp32 copy of 16-bit grads."""
+    p = run.profile
+    local_opt = 0.0 if run.offload_optimizer else params.trainable / (run.world if run.shard_optim else 1)
+    step_temp = engine_step_temp
+    if run.gpu.is_cpu:
+        step_temp += local_opt * p.optimizer_step_temp_bytes
+    elif run.strategy.optimizer == "adamw" and run.family != "deepspeed":  # DeepSpeed: its own fused Adam
+        step_temp += local_opt * p.adamw_foreach_temp_copies * run.optim_b / 2.0  # one state-sized sqrt(v)
+    if run.family == "deepspeed" and run.precision != "fp32" and not run.offload_optimizer:
+        step_temp += local_opt * p.zero_fp32_grad_bytes
+    return step_temp
+
+
+def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp: float, attention: str) -> Peak:
+    model, p, nums, st = run.model, run.profile, run.numbers, run.strategy
+    s, b, e, gc = st.seq_len, st.micro_batch_size, run.value_b, run.gc
+    grads, autocast_copy, logits, tail_bufs = states.grads, states.autocast_copy, saved.logits, bufs.tail_bufs
+    act_in, act_layers, act_bwd = saved.act_in, saved.act_layers, saved.act_bwd
+    adapter_acts = saved.adapter.intermediates + saved.adapter.buffers_saved
+    # with accumulation, earlier micro-batches' gradients stay live; DeepSpeed ZeRO-3 allocates its flat
+    # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
+    g_keep = grads if st.grad_accum > 1 or (run.engine == "zero3" and not run.fsdp) else 0.0
+    g_free = grads - g_keep
+    # act_bwd: one layer's backward working memory (eager's score gradients; + the causal mask that
+    # checkpointing keeps as a layer input, live from the forward on)
+    mask = float(b) * s * s * (4.0 if (e == 4.0 or saved.autocast) else e) if gc and attention == "eager" else 0.0
+    mask = min(mask, act_bwd)
+    held_saved = act_in + saved.act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
+    # candidate peaks as (bytes, the activation working memory beyond the saved tensors they hold)
+    phases = [(g_keep + autocast_copy + held_saved + logits + tail_bufs, mask)]  # A: start of backward
+    # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
+    # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
+    fwd_logits = (logits - saved.head_grad) * ((e if e != 4.0 else 0.0) + 8.0) / 12.0 + saved.head_grad
+    if saved.fused:  # the fused chunked loss makes its chunks' gradients in the forward: all of its line is live
+        fwd_logits = logits
+    phases.append((g_keep + autocast_copy + held_saved + saved.act_fwd + min(fwd_logits, logits) + tail_bufs,
+                   mask + saved.act_fwd))
+    # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
+    # or one layer's adapters; while the first layer runs backward: all but its own and the embedding's
+    total, full = run.total_params, run.method.trains_base
+    last = (nums.layer_params + model.head_parameters) / total if full else 1.0 / model.layers
+    g_last = g_free * min(1.0, last)
+    first = (nums.layer_params + model.embedding_parameters) / total if full else 1.0 / model.layers
+    g_first = g_free * max(0.0, 1.0 - first)
+    layer_bufs = bufs.layer_bufs
+    if gc:
+        working = act_layers + adapter_acts + act_bwd + layer_bufs
+        # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
+        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - saved.head_grad) + g_last, act_bwd),
+                   (g_keep + working + act_in / model.layers + g_first, act_bwd)]  # B2: the first layer
+    else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
+        phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
+                   (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
+    phases.append((grads + step_temp, 0.0))  # C: the optimizer step
+    phase, held = max(phases)
+    return Peak(phase, held, phases[-1][0], mask)
+
+
+def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, formula: float) -> float:
+    """The allocator's gap between reserved and allocated memory at the peak."""
+    model, p, st = run.model, run.profile, run.strategy
+    if run.gpu.is_cpu:
+        return formula * p.fragmentation_cpu
+    # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
+    working_set = (saved.act_layers + saved.adapter.intermediates) / (
+        p.checkpoint_extra_layers if run.gc else model.layers)
+    if model.experts:  # experts allocate their share one after another: blocks of 1/E of the routed
+        routed = model.experts_per_token * model.moe_intermediate  # set, reused expert to expert
+        value_b = 4.0 if params.fp32_stream else run.value_b
+        working_set -= (1.0 - 1.0 / model.experts) * float(st.micro_batch_size) * st.seq_len * value_b * 3 * routed
+    # + one layer's backward transients (gradients of its MLP/attention), freed and cached the same way;
+    # when the optimizer step is the peak, the loss's blocks (the logits line) stay reserved beside it
+    step_is_peak = peak.step_phase >= peak.phase
+    return CU.reserved_gap(formula, working_set + saved.act_bwd - peak.mask, saved.logits if step_is_peak else 0.0,
+                           run.offload_optimizer or run.offload_params, p)

@@ -1,0 +1,65 @@
+"""The facts of one estimate() call that every part reads: the engine, the method, the dtypes' bytes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from memfit.errors import ConfigError
+from memfit.estimate import memory as M
+from memfit.estimate.constants import DEFAULT_PROFILE, Profile
+from memfit.spec.hardware import HardwareSpec
+from memfit.spec.model import ModelSpec
+from memfit.spec.strategy import Strategy
+
+# the engines' memory behaviour: what is sharded (zero3 = every state sharded; sgo = FSDP SHARD_GRAD_OP)
+ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+               "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
+
+
+def profile_for(profile: Optional[Profile], model: ModelSpec, strategy: Strategy, activation_formula: Optional[str],
+                distributed: Any, margin: float) -> Profile:
+    """The Profile of this call (the run's DeepSpeed buckets, the activation formula), arguments checked."""
+    chosen = profile or DEFAULT_PROFILE
+    if distributed is not None and strategy.zero_stage:
+        chosen = M.with_buckets(chosen, model, distributed)
+    if activation_formula == "korthikanti" and not chosen.activation_korthikanti:
+        chosen = chosen.with_values(activation_korthikanti=1.0)
+    elif activation_formula not in (None, "derived", "korthikanti"):
+        raise ConfigError(f"activation_formula {activation_formula!r}: use 'derived' or 'korthikanti'")
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(f"margin {margin}: must be a fraction in [0, 1), e.g. 0.05 keeps 5% of GPU memory free")
+    return chosen
+
+
+class Setup:
+    """One call's facts. Bytes per *trainable* parameter: ``weight_b``, ``grad_b``, ``optim_b`` and
+    ``copy_b`` (autocast's 16-bit copy); ``value_b``: bytes of a value in the compute dtype."""
+
+    __slots__ = ("model", "hardware", "strategy", "profile", "method", "numbers", "gpu", "world", "engine",
+                 "family", "fsdp", "precision", "weight_b", "grad_b", "optim_b", "copy_b", "fp32_adapters",
+                 "value_b", "total_params", "gc", "offload_optimizer", "offload_params", "shard_weights",
+                 "shard_grads", "shard_optim")
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Profile,
+                 method: Any) -> None:
+        self.model, self.hardware, self.strategy, self.profile, self.method = model, hardware, strategy, profile, method
+        self.numbers = M.numbers(model)
+        self.gpu, self.world = hardware.gpu, hardware.world_size
+        self.engine = engine = ENGINE_KIND[strategy.engine]
+        self.fsdp = bool(strategy.fsdp)
+        self.family = family = "fsdp" if strategy.fsdp else ("deepspeed" if strategy.zero_stage else "ddp")
+        self.precision = precision = strategy.precision
+        w_b, g_b, o_b, self.copy_b = M.state_bytes(precision, strategy.optimizer, family, strategy.zero_stage)
+        # PEFT keeps LoRA adapters in fp32 unless DeepSpeed casts the whole module to 16-bit
+        self.fp32_adapters = method.fp32_adapters and family != "deepspeed" and precision != "fp32"
+        if self.fp32_adapters:
+            w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", strategy.optimizer, "ddp")[2]
+        self.weight_b, self.grad_b, self.optim_b = w_b, g_b, o_b
+        self.value_b = 4.0 if precision == "fp32" else 2.0
+        self.total_params = float(model.parameters)
+        self.gc = strategy.gradient_checkpointing
+        self.offload_optimizer = strategy.offload != "none"
+        self.offload_params = strategy.offload == "optimizer+params"
+        self.shard_weights = engine == "zero3"
+        self.shard_grads = engine in ("zero2", "zero3", "sgo")
+        self.shard_optim = engine != "ddp"

@@ -1,0 +1,99 @@
+"""Model states (weights, gradients, optimizer, what is offloaded) and the engines' buffers, per GPU."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from memfit.estimate import fsdp as F
+from memfit.estimate.setup import Setup
+from memfit.methods.base import Parameters
+
+
+class States(NamedTuple):
+    weights: float          # the weights line (stored shard + what the engine keeps unsharded)
+    grads: float
+    optim: float
+    cpu_optim: float        # per process, in CPU RAM when the optimizer is offloaded
+    cpu_grads: float
+    cpu_params: float
+    autocast_copy: float    # autocast's 16-bit weight copies (DDP): gone once backward has used them
+    weights_all: float      # one full copy of the model's weights as stored
+    compute_all: float      # one full copy in the dtype the matmuls use
+
+
+class Buffers(NamedTuple):
+    gathered: float         # gathered (unsharded) parameters
+    comm: float             # communication buckets
+    step_temp: float        # live only in the optimizer step
+    layer_bufs: float       # part of gathered/comm that exists only while decoder layers run (FSDP)
+    tail_bufs: float        # part of gathered live from the forward's end to the head's backward (FSDP)
+    grad_comm_b: float      # bytes of a gradient value as reduced
+
+
+def model_states(run: Setup, params: Parameters) -> States:
+    n, trainable, quant_state = run.world, params.trainable, params.quant_state
+    weights_all = params.frozen_bytes + trainable * run.weight_b
+    compute_all = params.frozen_bytes + trainable * (run.copy_b or run.weight_b)
+    sharded_all = run.shard_weights or run.family == "fsdp"
+    weights = (weights_all - quant_state) / n + quant_state if sharded_all else weights_all
+    autocast_copy = 0.0
+    if run.family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
+        autocast_copy = trainable * run.copy_b  # backward; gone once backward has used them
+        weights += autocast_copy
+    elif run.engine == "sgo":
+        weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
+    grads = trainable * run.grad_b / (n if run.shard_grads else 1)
+    optim = trainable * run.optim_b / (n if run.shard_optim else 1)
+    cpu_optim = cpu_grads = cpu_params = 0.0
+    if run.offload_optimizer:
+        cpu_optim, optim = optim, 0.0
+        cpu_grads = trainable * 4.0 / n  # fp32 gradient partition where the CPU optimizer reads it
+        grads = 0.0
+    if run.offload_params:  # the quantisation state stays on the GPU (a buffer, not a flat parameter)
+        cpu_params = (weights_all - quant_state) / n
+        weights = quant_state
+    weights += run.method.working_weight_bytes(run.numbers)  # QLoRA: a dequantised linear, whatever the offload
+    return States(weights, grads, optim, cpu_optim, cpu_grads, cpu_params, autocast_copy, weights_all, compute_all)
+
+
+def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffers:
+    model, p, n, trainable = run.model, run.profile, run.world, params.trainable
+    h2 = float(model.hidden) ** 2
+    half = run.value_b
+    gathered = comm = step_temp = layer_bufs = tail_bufs = 0.0
+    g_comm = run.grad_b if run.family == "ddp" else min(run.grad_b, half)  # FSDP reduces in the compute dtype
+    if run.engine == "zero3" and run.fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
+        layer_b, tail_b, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
+                                                trainable, half, half)
+        comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one layer's unsharded grads + reduce-scatter output
+        gathered = p.gathered_layers * layer_b + tail_b
+        if run.offload_params:  # CPUOffloadPolicy: each gathered layer's shard is first copied to the GPU
+            gathered += p.gathered_layers * layer_b / n  # (_fully_shard/_fsdp_param.py:897-899)
+        # the layers are resharded after their forward and backward (current + prefetched gathered while
+        # layers run); the tail unit (final norm, head) stays gathered from the forward's end until its
+        # backward (accelerate fsdp_utils.py:871-880, reshard_after_forward=False); in the step nothing is
+        layer_bufs = gathered - tail_b + comm
+        tail_bufs = tail_b
+    elif run.engine == "zero3":  # DeepSpeed gathers module by module (current + prefetch bucket) and does not
+        # release what is reused within stage3_max_reuse_distance: at the forward/backward turn that much stays
+        largest = run.numbers.largest_linear
+        live = min(max(largest + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
+                       p.zero3_max_reuse_distance),
+                   max(p.zero3_max_live_parameters, largest))
+        comm = p.zero_reduce_bucket_per_h2 * h2 * run.grad_b  # one reduce bucket, allocated whole (stage3.py:782)
+        # the limits count elements of the stored tensors (QLoRA: NF4 packs 2 values per uint8, 4 per bf16)
+        per_elem = run.method.gathered_per_element(run.strategy, p)
+        total = run.total_params
+        gathered = min(live * per_elem, total) * (weights_all - params.quant_state) / total
+    elif run.engine == "sgo":
+        comm = min(run.numbers.layer_params, trainable) * g_comm
+        layer_bufs = comm  # a layer's unsharded gradients: only in backward
+    elif run.engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C)
+        # the reduce bucket, allocated whole, doubled with overlap_comm (stage_1_and_2.py:3266-3277)
+        # (memfit's DeepSpeed config turns overlap_comm on on CUDA only: memfit/distributed/config.py)
+        overlap = 0.0 if run.gpu.is_cpu else p.zero_overlap_comm
+        comm = (1.0 + overlap) * p.zero_reduce_bucket_per_h2 * h2 * run.grad_b
+        step_temp = min(p.zero_allgather_bucket_elements, trainable) * run.weight_b
+    elif n > 1:
+        comm = trainable * run.grad_b * p.ddp_bucket_copy
+    return Buffers(gathered, comm, step_temp, layer_bufs, tail_bufs, g_comm)
