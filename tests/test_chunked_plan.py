@@ -10,6 +10,7 @@ from memfit.plan.search import plan
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import LOSS_CHUNK_TOKENS, Strategy, loss_chunk_tokens
+from cli_helper import run_cli
 
 LLAMA3 = resolve_model("llama-3.1-8b")  # vocab 128,256, hidden 4,096
 RTX4090 = parse_hardware("1xRTX4090-24GB")
@@ -84,13 +85,7 @@ def test_plan_prefers_the_standard_loss_when_both_fit():
     assert not any("--loss chunked" in w for w in p.why)
 
 
-def _run(capsys, *argv):
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code or 0
-    return (code,) + capsys.readouterr()
+_run = run_cli
 
 
 def test_cli_loss_flag_and_json(capsys):

@@ -8,17 +8,10 @@ import pytest
 
 from memfit.cli.app import main
 from memfit.spec.run import load_run
+from cli_helper import run_cli
 
 
-def run(capsys, *argv):
-    """(exit code, stdout, stderr) of `memfit argv`."""
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_estimate_json_contract(capsys):

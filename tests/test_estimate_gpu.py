@@ -6,6 +6,7 @@ from memfit.estimate import Profile, estimate
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy
+from cli_helper import run_cli
 
 A100 = parse_hardware("1xA100-80GB")
 
@@ -213,13 +214,7 @@ def test_qlora_loading_peak_on_one_gpu():
 
 
 def _cli(capsys, *argv):
-    from memfit.cli.app import main
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code or 0
-    return code, capsys.readouterr().out
+    return run_cli(capsys, *argv)[:2]
 
 
 def test_estimate_says_what_it_is(capsys):

@@ -9,6 +9,7 @@ import pytest
 from memfit.cli import extras
 from memfit.cli.app import main
 from memfit.spec.run import run_from_dict
+from cli_helper import run_cli
 
 
 def _without(monkeypatch, *modules):
@@ -16,14 +17,7 @@ def _without(monkeypatch, *modules):
     monkeypatch.setattr(extras, "installed", lambda m: m not in modules and real(m))
 
 
-def _cli(capsys, *argv):
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+_cli = run_cli
 
 
 def _run_file(tmp_path, **strategy):

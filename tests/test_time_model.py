@@ -12,6 +12,7 @@ from memfit.spec import hwprofile
 from memfit.spec.hardware import HardwareSpec, cpu_device, local_fingerprint, parse_hardware
 from memfit.spec.model import model_from_config
 from memfit.spec.strategy import Strategy
+from cli_helper import run_cli
 
 # h=64, heads=4 (head_dim 16), kv_heads=2 (kv_dim 32), f=128, L=2, V=100 (as tests/test_estimate_breakdown.py)
 TINY = model_from_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
@@ -132,16 +133,7 @@ def test_cache_file_read_ignored_with_a_note(tmp_path, monkeypatch):
     assert parse_hardware("local").rates_note == note
 
 
-def _cli(capsys, *argv):
-    from memfit.cli.app import main
-
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+_cli = run_cli
 
 
 def test_calibrate_hardware_cli_caches_and_forces(tmp_path, monkeypatch, capsys):
