@@ -114,38 +114,31 @@ _SUMS: dict = {}
 _PER_MODEL: dict = {}
 
 
-def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
-    """(in_features, out_features) of the adapted linears, in the model's order (cached)."""
-    key = (id(model), adapted)
+def _per_model(key: tuple, model: ModelSpec, compute):
+    """``compute()`` cached per ``key`` for as long as ``model`` is the object it was computed for (plans
+    estimate thousands of combinations of one model)."""
     hit = _PER_MODEL.get(key)
     if hit is None or hit[0] is not model:
         if len(_PER_MODEL) > 4096:
             _PER_MODEL.clear()
-        hit = _PER_MODEL[key] = (model, tuple((x.in_features, x.out_features) for x in model.linears
-                                              if x.name in adapted))
+        hit = _PER_MODEL[key] = (model, compute())
     return hit[1]
+
+
+def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
+    """(in_features, out_features) of the adapted linears, in the model's order (cached)."""
+    return _per_model((id(model), adapted), model, lambda: tuple(
+        (x.in_features, x.out_features) for x in model.linears if x.name in adapted))
 
 
 def _head_rate(model: ModelSpec, sp: Speeds) -> float:
     """``sp.gemm(hidden, vocab)``: the output head's FLOP/s (cached per model and speeds)."""
-    key = ("head", id(model), id(sp))
-    hit = _PER_MODEL.get(key)
-    if hit is None or hit[0] is not model or hit[1] is not sp:
-        if len(_PER_MODEL) > 4096:
-            _PER_MODEL.clear()
-        hit = _PER_MODEL[key] = (model, sp, sp.gemm(model.hidden, model.vocab))
-    return hit[2]
+    return _per_model(("head", id(model), sp), model, lambda: sp.gemm(model.hidden, model.vocab))
 
 
 def _elementwise(model: ModelSpec, e: float) -> float:
     """:func:`elementwise_bytes`, cached per model and value size."""
-    key = (id(model), e)
-    hit = _PER_MODEL.get(key)
-    if hit is None or hit[0] is not model:
-        if len(_PER_MODEL) > 4096:
-            _PER_MODEL.clear()
-        hit = _PER_MODEL[key] = (model, elementwise_bytes(model, e))
-    return hit[1]
+    return _per_model((id(model), e), model, lambda: elementwise_bytes(model, e))
 
 
 def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
