@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-
-from memfit.train.callbacks import peak_rss_bytes  # the one reader of the process's peak RSS
 
 # profiler category -> memfit component name (the keys of measured["components"]).
 _CATEGORY_NAMES = {
@@ -64,6 +64,15 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (since start or the last ``reset_peak_rss``)."""
+    hwm = _status_field("VmHWM")
+    if hwm is not None:
+        return hwm
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru if sys.platform == "darwin" else ru * 1024
 
 
 def current_rss_bytes() -> int:
