@@ -90,6 +90,49 @@ def test_measured_rates_by_hand(monkeypatch):
     assert e["dispatch_seconds"] - t["dispatch_seconds"] == pytest.approx(2 * 5e-4)
 
 
+def test_lora_elementwise_bytes_from_peft_forward(monkeypatch):
+    from memfit.estimate.timing import lora_elementwise_bytes
+
+    # fp32, no dropout: forward scale (2n) + add (3n); backward scale grad (2n) + x's two grads summed (3k)
+    assert lora_elementwise_bytes(64, 128, 4.0, False, False, False) == 4 * (7 * 128 + 3 * 64)
+    # + the recomputed forward under checkpointing
+    assert lora_elementwise_bytes(64, 128, 4.0, False, False, True) == 4 * (12 * 128 + 3 * 64)
+    # bf16 base: the input cast to fp32 adapters (2 + 4 bytes per input value) each way; dropout 4k + 3k passes
+    assert lora_elementwise_bytes(64, 128, 2.0, True, True, False) == 2 * (7 * 128 + 3 * 64) + 2 * 6 * 64 + 2 * 7 * 64
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "method": "lora", "precision": "fp32", "lora_dropout": 0.0})
+    lora = estimate(TINY, cpu_pool(), st).time
+    full = estimate(TINY, cpu_pool(), st.model_copy(update={"method": "full"})).time
+    per_token = sum(lora_elementwise_bytes(k, n, 4.0, False, False, False)
+                    for k, n in ((64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)))
+    # LoRA's memory-bound work = full's less the embedding's dense gradient (2 x 4 B x V x h) + the adapters'
+    assert lora["memory_bound_seconds"] - full["memory_bound_seconds"] == pytest.approx(
+        (8 * 2 * per_token - 2 * 4 * 100 * 64) / 1e10)
+
+
+def test_eager_rate_by_score_bytes_and_measured_checkpointing(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "method": "full", "precision": "fp32", "attention": "eager", "seq_len": 16})
+    by_bytes = {"1": {"eager": {"fp32": {"4": 5e9}}, "sdpa": {"fp32": {"4": 5e9}},
+                      "eager_bytes": {"fp32": {"1024": 4e9, "16384": 1e9}}}}
+    t = estimate(TINY, cpu_pool(attention=by_bytes), st).time
+    # b·H·s²·4 B = 1 x 4 x 256 x 4 = 4096 B: log-midway between 1 kB (4e9) and 16 kB (1e9) -> 2e9 FLOP/s
+    assert t["attention_seconds"] == pytest.approx(4 * 16 * 16 * 64 * 2 * 3 / 2e9)
+    # checkpointing's dispatch as measured (0.4 ms per layer over the plain layer's)
+    o = {"layer": 1e-3, "model": 2e-3, "adapter": 1e-4, "eager_layer_extra": 0.0, "gc_layer_extra": 4e-4}
+    st = st.model_copy(update={"attention": "sdpa", "gradient_checkpointing": True})
+    assert estimate(TINY, cpu_pool(overheads=o), st).time["dispatch_seconds"] == pytest.approx(2 * 1.4e-3 + 2e-3)
+
+
+def test_deepspeed_zero12_all_reduce_their_buckets():
+    from memfit.estimate.timing import comm_bytes
+
+    # stage_1_and_2.py average_tensor: all-reduce per bucket (use_multi_rank_bucket_allreduce=True), then the
+    # all-gather of the updated fp32->16-bit params at the step
+    assert comm_bytes("zero1", 0, 0, 1e6, 2, 2, ga=4, checkpointing=False) == 2 * 1e6 * 2 + 1e6 * 2
+    assert comm_bytes("zero2", 0, 0, 1e6, 2, 2, ga=4, checkpointing=False) == 4 * 2 * 1e6 * 2 + 1e6 * 2
+
+
 def test_processes_share_the_cores(monkeypatch):
     st = Strategy(**{**BASE, "precision": "fp32"})
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -155,7 +198,7 @@ def test_calibrate_hardware_cli_caches_and_forces(tmp_path, monkeypatch, capsys)
     code, out, _ = _cli(capsys, "calibrate", "--hardware", "--force", "--json")
     assert code == 0 and calls == [1, 1] and json.loads(out)["measured_now"] is True
     path = hwprofile.profile_path(local_fingerprint())
-    path.write_text('{"schema": "memfit-hardware-profile/1", "device": 3}')  # corrupt
+    path.write_text('{"schema": "%s", "device": 3}' % hwprofile.SCHEMA)  # corrupt
     code, out, err = _cli(capsys, "calibrate", "--hardware")
     assert code == 0 and calls == [1, 1, 1] and "Traceback" not in err
     assert err.count("note:") == 1 and "ignoring the hardware profile" in err
@@ -203,6 +246,7 @@ def test_micro_benchmarks_return_rates():
     assert 0 < adam["per_param"] < 1e-6 and adam["per_tensor"] >= 0
     att = H.attention_rates("cpu", ["fp32"], timer)
     assert set(att["eager"]["fp32"]) == set(att["sdpa"]["fp32"]) == {"256", "1024"}
+    assert set(att["eager_bytes"]["fp32"]) == {str(1 << 20), str(16 << 20), str(64 << 20)}
     assert min(att["eager"]["fp32"].values()) > 1e8 and min(att["sdpa"]["fp32"].values()) > 1e8
 
 

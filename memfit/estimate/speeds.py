@@ -54,12 +54,16 @@ class Speeds:
     peak: float  # the floor's FLOP/s (catalog peak of the dtype)
     # measured dispatch, forward + backward, of transformers' code (seconds): per decoder layer, the rest of
     # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
-    overheads: Optional[tuple[float, float, float, float]] = None
+    overheads: Optional[tuple] = None  # (layer, model, adapter, eager extra, checkpointing extra per layer or None)
     gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
+    attention_by_score_bytes: bool = False  # ``attention`` is keyed by a layer's b·H·s² score bytes, not by s
 
-    def attention_rate(self, seq: float) -> float:
-        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
+    def attention_rate(self, seq: float, score_bytes: float = 0.0) -> float:
+        """Attention FLOP/s at sequence length ``seq``, or at ``score_bytes`` (one layer's b·H·s² scores)
+        where the curve is keyed by them; log-interpolated between the measured points."""
         pts = self.attention
+        if self.attention_by_score_bytes and score_bytes:
+            seq = score_bytes
         if len(pts) == 1 or seq <= pts[0][0]:
             return pts[0][1]
         for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
@@ -143,6 +147,9 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         gain = g["large"] / g_all["fp32"]["large"] if "fp32" in g_all else 1.0
     curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in att.items())) if isinstance(att, dict) \
         else ((1.0, float(att) * gain * scale),)
+    by_bytes = (a_all.get("eager_bytes") or {}).get(dt) if attention == "eager" else None
+    if by_bytes:  # eager's rate by the bytes of a layer's score matrix (it falls as the scores leave the caches)
+        curve = tuple(sorted((float(k), float(v) * scale) for k, v in by_bytes.items()))
     bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
     coll = (rates.collectives or {}).get(str(hw.world_size))
@@ -159,13 +166,17 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
         overheads=_overheads(rates.overheads, share if cpu else 1.0),
-        gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else ())
+        gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
+        attention_by_score_bytes=bool(by_bytes))
 
 
-def _overheads(o: Any, share: float) -> Optional[tuple[float, float, float, float]]:
+def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:
+    """(layer, model, adapter, eager_layer_extra, gc_layer_extra or None) seconds, shared by the processes."""
     if not o:
         return None
-    return tuple(float(o[k]) / share for k in ("layer", "model", "adapter", "eager_layer_extra"))  # type: ignore
+    gc = o.get("gc_layer_extra")
+    return (*(float(o[k]) / share for k in ("layer", "model", "adapter", "eager_layer_extra")),
+            None if gc is None else float(gc) / share)
 
 
 def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:

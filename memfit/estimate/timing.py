@@ -35,17 +35,20 @@ def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
                ga: int, checkpointing: bool) -> float:
     """Bytes each GPU sends per optimizer step for its engine.
 
-    ddp: all-reduce of trainable grads at the step (2·P_t·g_b). zero1: reduce-scatter grads + all-gather
-    updated params at the step. zero2/shard_grad_op: reduce-scatter every micro-batch + all-gather at the
-    step (shard_grad_op also gathers all params once per micro-batch). zero3/full_shard: every micro-batch
-    gathers all weights in forward and again in backward (and in recomputation) + reduce-scatters grads.
+    ddp: all-reduce of trainable grads at the step (2·P_t·g_b). zero1 / zero2: DeepSpeed (0.19.8,
+    runtime/zero/stage_1_and_2.py ``average_tensor``) reduces each gradient bucket with an **all-reduce**
+    (``use_multi_rank_bucket_allreduce`` defaults to True, zero/config.py), then keeps its partition: 2·P_t·g_b
+    at the step (zero1) or every micro-batch (zero2), + the all-gather of the updated params at the step.
+    shard_grad_op: reduce-scatter every micro-batch and gathers all params once per micro-batch.
+    zero3/full_shard: every micro-batch gathers all weights in forward and again in backward (and in
+    recomputation) + reduce-scatters grads.
     """
     if engine_kind == "ddp":
         return 2.0 * p_t * g_b
     if engine_kind == "zero1":
-        return p_t * g_b + p_t * w_b
+        return 2.0 * p_t * g_b + p_t * w_b
     if engine_kind == "zero2":
-        return ga * p_t * g_b + p_t * w_b
+        return ga * 2.0 * p_t * g_b + p_t * w_b
     if engine_kind == "sgo":
         return ga * (weight_bytes_all + p_t * g_b)
     gathers = 3.0 if checkpointing else 2.0
@@ -87,6 +90,23 @@ def elementwise_bytes(model: ModelSpec, e: float) -> float:
     return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat
 
 
+def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bool, gc: bool) -> float:
+    """Bytes per token one PEFT LoRA linear (k -> n) moves outside its matmuls, forward + backward
+    (+ the recomputed forward), ``e`` bytes per value.
+
+    peft/tuners/lora/layer.py ``Linear.forward`` (0.21): ``result + lora_B(lora_A(dropout(x))) * scaling``
+    after ``_cast_input_dtype(x, lora_A.weight.dtype)``. Forward: the scale (read + write n) and the add
+    (3 n); the input cast to the adapter's fp32 where the base runs in 16 bits (e + 4 per input value);
+    dropout when p > 0 (its mask, read, write: 4 k). Backward: the scale's gradient (2 n), x's two gradients
+    (base and adapter) summed (3 k), the cast back, dropout's mask product (3 k).
+    """
+    c = (e + 4.0) * k if cast else 0.0
+    d = 4.0 * e * k if dropout else 0.0
+    forward = 5.0 * e * n + c + d
+    backward = 2.0 * e * n + 3.0 * e * k + c + (3.0 * e * k if dropout else 0.0)
+    return forward * (2.0 if gc else 1.0) + backward
+
+
 def ops_per_layer(model: ModelSpec, adapted: int, eager: bool) -> float:
     """Module / function calls of one layer's forward (each with its backward): norms 7 each, 4 attention
     linears, RoPE ~12, attention 4 (eager 9), residuals 2, the MLP's linears + act + product, ~8 views;
@@ -104,8 +124,11 @@ def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc
     adapter where calibrated, else op counts x the per-op cost."""
     L, redo = model.layers, 1.0 + (RECOMPUTE_DISPATCH if gc else 0.0)
     if sp.overheads is not None:
-        layer, rest, adapter, eager_extra = sp.overheads
-        return L * redo * (layer + adapted * adapter + (eager_extra if eager else 0.0)) + rest
+        layer, rest, adapter, eager_extra, gc_extra = (*sp.overheads, None)[:5]
+        per_layer = layer + adapted * adapter + (eager_extra if eager else 0.0)
+        if gc and gc_extra is not None:  # measured: torch.utils.checkpoint's own cost + the recomputed layer
+            return L * (per_layer + gc_extra + RECOMPUTE_DISPATCH * adapted * adapter) + rest
+        return L * redo * per_layer + rest
     ops = ops_per_layer(model, adapted, eager) * L * redo + 20.0
     return ops * sp.op_seconds
 
@@ -182,9 +205,9 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
-    lora_bytes = sum((4.0 + (4.0 if st.lora_dropout > 0 else 0.0)) * e * in_features + 3.0 * e * out_features
-                     for in_features, out_features in _adapted_shapes(model, adapted))
-    mem = T * L * (_elementwise(model, e) + lora_bytes) * fwd
+    lora_bytes = sum(lora_elementwise_bytes(k, n, e, st.lora_dropout > 0, st.precision != "fp32", gc)
+                     for k, n in _adapted_shapes(model, adapted))
+    mem = T * L * (_elementwise(model, e) * fwd + lora_bytes)
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
     # loss: upcast, log-softmax, gather, its gradient, cast (the chunked loss's in-forward softmax − one-hot
     # makes the same passes over each chunk)
@@ -196,7 +219,7 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     dequant = 0.0
     if st.method == "qlora":
         dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
-    attn_s = attn / sp.attention_rate(s)
+    attn_s = attn / sp.attention_rate(s, float(b) * model.heads * s * s * e)
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,

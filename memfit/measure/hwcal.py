@@ -72,8 +72,11 @@ def _gemm_shapes(device: str) -> dict[str, tuple[int, int, int]]:
     if device == "cuda":
         return {"small": (4096, 512, 512), "medium": (8192, 1536, 1536), "large": (8192, 4096, 4096),
                 "skinny": (8192, 4096, 16)}
-    return {"small": (2048, 128, 128), "medium": (1024, 384, 384), "large": (256, 1024, 1024),
-            "skinny": (2048, 1024, 16)}
+    # CPU: the rows of a typical micro-batch (b·s ~ 1024 tokens) at each width. Not more rows at the small
+    # width: 2048 x 128 fp32 (1 MB per operand) leaves the 1 MB L2 and read 37-53 GFLOP/s where the training
+    # step's 1024 x 128 linears ran at 60-63 (this machine, /work/scratch/gemm.py in the session log).
+    return {"small": (1024, 128, 128), "medium": (1024, 384, 384), "large": (512, 1024, 1024),
+            "skinny": (1024, 256, 16)}
 
 
 def gemm_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[str, float]]:
@@ -121,6 +124,28 @@ def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, 
                     fn().backward(g)
                     q.grad = k.grad = v.grad = None
                 out[kind][name][str(s)] = flops / timer(step, reps=3)
+    out["eager_bytes"] = {name: eager_by_score_bytes(device, name, timer) for name in dtypes}
+    return out
+
+
+def eager_by_score_bytes(device: str, dtype: str, timer: _Timer) -> dict[str, float]:
+    """Eager attention's FLOP/s by the bytes of one layer's b·H·s² score matrix: its matmul writes the
+    scores, the scale, mask add and softmax read and write them (and backward again), so its speed falls
+    as the matrix leaves each cache (CPU: 1 MB fits L2, 16 MB the L3, 64 MB neither)."""
+    dt = DTYPES[dtype]
+    size = torch.tensor([], dtype=dt).element_size()
+    shapes = [(2, 16, 1024, 128), (2, 16, 4096, 128)] if device == "cuda" else \
+        [(1, 4, 256, 32), (1, 4, 1024, 32), (1, 16, 1024, 32)]
+    out = {}
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+        mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
+        g = torch.randn(b, h, s, d, device=device, dtype=dt)
+
+        def step() -> None:
+            _eager_attention(q, k, v, mask).backward(g)
+            q.grad = k.grad = v.grad = None
+        out[str(b * h * s * s * size)] = 12.0 * b * h * s * s * d / timer(step, reps=3)
     return out
 
 
@@ -353,12 +378,14 @@ def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
     ids = torch.randint(0, 64, (1, 8), device=device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-    def seconds(layers: int, lora: bool = False, attn: str = "sdpa") -> float:
+    def seconds(layers: int, lora: bool = False, attn: str = "sdpa", gc: bool = False) -> float:
         cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
                           vocab_size=64, num_hidden_layers=layers, max_position_embeddings=64,
                           attn_implementation=attn)
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(device)
+        if gc:  # as memfit's methods enable it (memfit.methods.base.GC_KWARGS: non-reentrant)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:
             model = get_peft_model(model, LoraConfig(r=2, target_modules=targets, lora_dropout=0.0))
         model.train()
@@ -373,4 +400,5 @@ def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
     layer = max(0.0, (four - two) / 2)
     return {"layer": layer, "model": max(0.0, two - 2 * layer),
             "adapter": max(0.0, (seconds(4, lora=True) - four) / (4 * len(targets))),
-            "eager_layer_extra": max(0.0, (seconds(4, attn="eager") - four) / 4)}
+            "eager_layer_extra": max(0.0, (seconds(4, attn="eager") - four) / 4),
+            "gc_layer_extra": max(0.0, (seconds(4, gc=True) - four) / 4)}

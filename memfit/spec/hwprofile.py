@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SCHEMA = "memfit-hardware-profile/1"
+SCHEMA = "memfit-hardware-profile/2"  # /2: CPU GEMM shapes at 1024 rows, eager by score bytes, GC dispatch
 
 
 def cache_dir() -> Path:
