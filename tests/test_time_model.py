@@ -255,6 +255,21 @@ def test_gloo_collective_between_forked_processes():
 
     c = H.collective_rates(2, "gloo")
     assert c["backend"] == "gloo" and c["bus_bytes_per_s"] > 1e6 and 0 < c["latency_s"] < 0.1
+    for op in ("all_gather", "reduce_scatter"):  # the tensor forms FSDP2 / DeepSpeed gathers use
+        assert c[op]["bus_bytes_per_s"] > 1e6 and 0 < c[op]["latency_s"] < 0.1
+
+
+def test_collectives_by_primitive(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "precision": "fp32", "fsdp": "full_shard"})
+    coll = {"2": {"backend": "gloo", "bus_bytes_per_s": 1e9, "latency_s": 0.0,
+                  "all_gather": {"bus_bytes_per_s": 2e8, "latency_s": 0.0},
+                  "reduce_scatter": {"bus_bytes_per_s": 1e8, "latency_s": 0.0}}}
+    t = estimate(TINY, cpu_pool(2, collectives=coll), st).time
+    # FSDP full_shard, fp32: gather the 86,848 weights in forward and backward, reduce-scatter the grads;
+    # half of each crosses between 2 ranks, at the primitive's own bus bandwidth
+    w = 86_848 * 4
+    assert t["comm_seconds"] == pytest.approx(2 * w * 0.5 / 2e8 + w * 0.5 / 1e8)
 
 
 def test_plan_batch_picks_the_fastest_micro_batch():
@@ -271,3 +286,16 @@ def test_plan_batch_picks_the_fastest_micro_batch():
         assert p.recommended.tokens_per_second <= best.recommended.tokens_per_second
     assert {c.strategy.micro_batch_size for c in best.candidates} == {1, 2, 4, 8}
     assert "micro-batch" in best.why[0]
+
+
+def test_adamw_per_parameter_by_tensor_size():
+    from memfit.estimate.speeds import Speeds
+
+    sp = Speeds(basis="", gemm_small=1, gemm_large=1, width_small=1, width_large=1, gemm_skinny=1, attention=((1, 1),),
+                bandwidth=1, op_seconds=0, overlap_dispatch=False, adam_per_param=6e-9, adam_per_tensor=0,
+                cpu_adam_per_param=0, bus_bandwidth=1, collective_latency=0, h2d=1, d2h=1, dequant=1, peak=1,
+                adam_mid=(1 << 17, 4e-9), adam_size=float(1 << 21))
+    assert sp.adam_seconds_per_param(1 << 17) == pytest.approx(4e-9)  # cache-sized tensors
+    assert sp.adam_seconds_per_param(1 << 19) == pytest.approx(5e-9)  # log-midway between 128k and 2M
+    assert sp.adam_seconds_per_param(1 << 24) == pytest.approx(6e-9)  # large ones: clamped
+    assert sp.adam_seconds_per_param(10) == pytest.approx(4e-9)

@@ -43,7 +43,7 @@ class Speeds:
     bandwidth: float  # bytes/s of memory-bound elementwise work
     op_seconds: float  # dispatch of one small op, forward + backward
     overlap_dispatch: bool  # GPUs: kernels run while the host dispatches (step = max of the two)
-    adam_per_param: float
+    adam_per_param: float  # seconds per parameter of tensors of ``adam_sizes[1]`` values (large ones)
     adam_per_tensor: float
     cpu_adam_per_param: float  # offloaded optimizer on the host
     bus_bandwidth: float  # collective bus bytes/s between the processes (ring)
@@ -57,6 +57,24 @@ class Speeds:
     overheads: Optional[tuple] = None  # (layer, model, adapter, eager extra, checkpointing extra per layer or None)
     gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
     attention_by_score_bytes: bool = False  # ``attention`` is keyed by a layer's b·H·s² score bytes, not by s
+    bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
+    adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
+    adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
+
+    def bus(self, op: str) -> float:
+        """Bus bytes/s of the collective ``op`` (all_reduce | all_gather | reduce_scatter): measured per
+        primitive where calibrated (gloo's all-gather and reduce-scatter run ~5x slower per byte than its
+        all-reduce), else the all-reduce figure (NCCL's ring primitives share one bus bandwidth)."""
+        return dict(self.bus_by_op).get(op, self.bus_bandwidth)
+
+    def adam_seconds_per_param(self, mean_tensor: float) -> float:
+        """AdamW per parameter for tensors of ``mean_tensor`` values: log-interpolated between the
+        cache-sized and the large calibration tensor (clamped outside)."""
+        if not self.adam_mid or self.adam_size <= self.adam_mid[0]:
+            return self.adam_per_param
+        (s0, r0), (s1, r1) = self.adam_mid, (self.adam_size, self.adam_per_param)
+        f = min(1.0, max(0.0, math.log(max(mean_tensor, 1.0) / s0) / math.log(s1 / s0)))
+        return r0 + f * (r1 - r0)
 
     def attention_rate(self, seq: float, score_bytes: float = 0.0) -> float:
         """Attention FLOP/s at sequence length ``seq``, or at ``score_bytes`` (one layer's b·H·s² scores)
@@ -163,10 +181,14 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
+        bus_by_op=tuple((op, float(coll[op]["bus_bytes_per_s"])) for op in ("all_gather", "reduce_scatter")
+                        if isinstance((coll or {}).get(op), dict)),
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
         overheads=_overheads(rates.overheads, share if cpu else 1.0),
         gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
+        adam_mid=(float(opt["mid_tensor_params"]), opt["per_param_mid"] / share) if opt.get("per_param_mid") else (),
+        adam_size=float(opt.get("tensor_params", 0.0)),
         attention_by_score_bytes=bool(by_bytes))
 
 

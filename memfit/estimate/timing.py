@@ -31,28 +31,34 @@ from memfit.spec.model import ModelSpec
 BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
 
 
-def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
-               ga: int, checkpointing: bool) -> float:
-    """Bytes each GPU sends per optimizer step for its engine.
+def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
+               ga: int, checkpointing: bool) -> dict[str, float]:
+    """Bytes per optimizer step each GPU's collectives move, by primitive (bus convention: an all-reduce of
+    S bytes counts 2·S, an all-gather its gathered output, a reduce-scatter its full input).
 
-    ddp: all-reduce of trainable grads at the step (2·P_t·g_b). zero1 / zero2: DeepSpeed (0.19.8,
+    ddp: all-reduce of trainable grads at the step. zero1 / zero2: DeepSpeed (0.19.8,
     runtime/zero/stage_1_and_2.py ``average_tensor``) reduces each gradient bucket with an **all-reduce**
-    (``use_multi_rank_bucket_allreduce`` defaults to True, zero/config.py), then keeps its partition: 2·P_t·g_b
-    at the step (zero1) or every micro-batch (zero2), + the all-gather of the updated params at the step.
-    shard_grad_op: reduce-scatter every micro-batch and gathers all params once per micro-batch.
-    zero3/full_shard: every micro-batch gathers all weights in forward and again in backward (and in
-    recomputation) + reduce-scatters grads.
+    (``use_multi_rank_bucket_allreduce`` defaults to True, zero/config.py), then keeps its partition: at the
+    step (zero1) or every micro-batch (zero2), + the all-gather of the updated params at the step
+    (runtime/utils.py ``all_gather_into_tensor_dp_groups``). shard_grad_op: reduce-scatter every micro-batch
+    and gathers all params once per micro-batch. zero3/full_shard: every micro-batch gathers all weights in
+    forward and again in backward (and in recomputation) + reduce-scatters grads (FSDP2:
+    fsdp/_fully_shard/_fsdp_collectives.py ``all_gather_single`` / ``reduce_scatter_single``).
     """
     if engine_kind == "ddp":
-        return 2.0 * p_t * g_b
-    if engine_kind == "zero1":
-        return 2.0 * p_t * g_b + p_t * w_b
-    if engine_kind == "zero2":
-        return ga * 2.0 * p_t * g_b + p_t * w_b
+        return {"all_reduce": 2.0 * p_t * g_b}
+    if engine_kind in ("zero1", "zero2"):
+        return {"all_reduce": (ga if engine_kind == "zero2" else 1) * 2.0 * p_t * g_b, "all_gather": p_t * w_b}
     if engine_kind == "sgo":
-        return ga * (weight_bytes_all + p_t * g_b)
+        return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
     gathers = 3.0 if checkpointing else 2.0
-    return ga * (gathers * weight_bytes_all + p_t * g_b)
+    return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
+
+
+def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
+               ga: int, checkpointing: bool) -> float:
+    """Bytes each GPU sends per optimizer step for its engine (the sum of :func:`comm_parts`)."""
+    return sum(comm_parts(engine_kind, p_all, weight_bytes_all, p_t, g_b, w_b, ga, checkpointing).values())
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool) -> float:
@@ -257,17 +263,19 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
     else:
-        optim_s = local * sp.adam_per_param + tensors * sp.adam_per_tensor
+        mean_tensor = local / tensors if tensors else local
+        optim_s = local * sp.adam_seconds_per_param(mean_tensor) + tensors * sp.adam_per_tensor
     # gradient clipping (HF max_grad_norm): read every local gradient for the norm, scale it in place;
     # accumulation adds each later micro-batch's gradient into the kept one
     grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
     upkeep = grads_local * 4.0 * 3.0 / sp.bandwidth + 2.0 * tensors * sp.op_seconds
     upkeep += (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
-    cbytes = comm_bytes(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing) if n > 1 else 0.0
+    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing) if n > 1 else {}
+    cbytes = sum(parts.values())
     comm_s = 0.0
     if cbytes:
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing)
-        comm_s = cbytes * (n - 1) / n / sp.bus_bandwidth + calls * sp.collective_latency
+        comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
     exposed = comm_s * (1.0 - overlap_for(engine, p, cpu))
     pcie_b = 0.0
     if off_opt:
