@@ -104,7 +104,7 @@ def print_summary(r: Any) -> None:
         console.print(f"[dim]predicted step time: {shape}" + (f"; {time_basis}" if time_basis else "")
                       + "[/dim]")
         if as_ran.get("memory_basis"):
-            console.print(f"[dim]predicted peak memory: at the {as_ran['memory_basis']}[/dim]")
+            console.print(f"[dim]predicted peak memory: {as_ran['memory_basis']}[/dim]")
     for note in d.get("notes") or []:
         console.print(f"[yellow]note:[/yellow] {note}")
     if d.get("resumed_from"):

@@ -102,6 +102,6 @@ def predict_as_ran(run, ranks: Sequence[Sequence[Step]], planned: Optional[dict]
         "step_seconds": median(per_step), "basis": basis, "shape": "planned" if full else "padded",
         "planned_step_seconds": planned_s, "planned_shape": shape, "padded": stats,
         "shapes_predicted": len(f.cache),
-        "memory_basis": f"planned shape {shape}: the longest batch sets the peak and seq_len={s.seq_len} "
-                        "bounds every batch, so the planned figure is the upper bound",
+        "memory_basis": f"at the planned shape {shape} (the longest batch sets the peak; seq_len={s.seq_len} "
+                        "bounds every batch, so this is the upper bound)",
     }
