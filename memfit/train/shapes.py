@@ -1,7 +1,7 @@
 """The step time of a run as it actually ran: predicted at the padded shapes its batches had.
 
 The collator pads each micro-batch to its longest example, so a run planned at ``micro_batch × seq_len``
-trains on ``rows × padded length`` (demo: 8 × ~96 of 8 × 128). The planner's estimate is for the
+trains on ``rows × padded length`` (demo: 8 × 82–86 of 8 × 128). The planner's estimate is for the
 planned shape; the summary's step figure predicts each timed optimizer step at the shapes it trained
 and takes the median, like the measured median step. Per step, not one average length: attention is
 quadratic in the length, so a mean length under-predicts a mix of short and long batches.
