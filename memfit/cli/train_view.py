@@ -66,8 +66,16 @@ def summary_table(r: Any) -> Table:
               (human_bytes(p_peak) + (" (tensors)" if rss else "")) if p_peak else "—",
               "n/a" if rss and p_peak else _ratio(d["peak_mem_bytes"], p_peak))
     step = d.get("step_time_s")
-    t.add_row("step time (median)", f"{step * 1000:.1f} ms" if step else "—",
-              f"{p_step * 1000:.1f} ms" if p_step else "—", _ratio(step, p_step))
+    as_ran = d.get("predicted_step") or {}
+    if as_ran.get("shape") == "padded":  # measured, then predicted at the batches' padded lengths and as planned
+        t.add_row("step time (median)", f"{step * 1000:.1f} ms" if step else "—", "", "")
+        t.add_row(f"  predicted at padded length {as_ran['padded']['median_len']:g}", "",
+                  f"{as_ran['step_seconds'] * 1000:.1f} ms", _ratio(step, as_ran["step_seconds"]))
+        t.add_row(f"  predicted at planned {as_ran['planned_shape']}", "",
+                  f"{p_step * 1000:.1f} ms" if p_step else "—", _ratio(step, p_step))
+    else:
+        t.add_row("step time (median)", f"{step * 1000:.1f} ms" if step else "—",
+                  f"{p_step * 1000:.1f} ms" if p_step else "—", _ratio(step, p_step))
     if d.get("tokens_per_s"):
         t.add_row("tokens/s", f"{d['tokens_per_s']:.0f}", "", "")
     m = d.get("model") or {}
@@ -89,8 +97,14 @@ def print_summary(r: Any) -> None:
                       "compares them at the allocator level.[/dim]")
     if not d.get("predicted"):
         console.print("[dim]No prediction: the planner (memfit.estimate) gave none for this model here.[/dim]")
-    elif (d["predicted"].get("time") or {}).get("basis"):
-        console.print(f"[dim]predicted step time: {d['predicted']['time']['basis']}[/dim]")
+    else:
+        as_ran = d.get("predicted_step") or {}
+        time_basis = (d["predicted"].get("time") or {}).get("basis")
+        shape = as_ran.get("basis") or "at the planned shape"
+        console.print(f"[dim]predicted step time: {shape}" + (f"; {time_basis}" if time_basis else "")
+                      + "[/dim]")
+        if as_ran.get("memory_basis"):
+            console.print(f"[dim]predicted peak memory: {as_ran['memory_basis']}[/dim]")
     for note in d.get("notes") or []:
         console.print(f"[yellow]note:[/yellow] {note}")
     if d.get("resumed_from"):

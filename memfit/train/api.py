@@ -38,6 +38,7 @@ class TrainResult:
     data: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)
     predicted: Optional[dict] = None   # the estimate for this run's strategy, where memfit.estimate exists
+    predicted_step: Optional[dict] = None  # the step time at the padded shapes it trained (train.shapes)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -53,6 +54,17 @@ def predict(run) -> Optional[dict]:
         return estimate_run(run).to_dict()
     except MemfitError:
         return None
+
+
+def all_ranks(batches: list) -> list:
+    """Every process's per-step batch shapes, rank 0 first (one object gather, after training)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [batches]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, batches)
+    return out
 
 
 def preflight(run) -> list[str]:
@@ -226,7 +238,12 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         eval_loss = float(done[-1]["eval_loss"] if done else trainer.evaluate()["eval_loss"])
     saved = _save_final(run, trainer, engine, tokenizer, out)
+    ranks = all_ranks(stats.batches)
     result = _result(run, out, trainer, output, stats, report, info, eval_loss, saved, ckpt, main)
+    if main and result.predicted:
+        from memfit.train.shapes import predict_as_ran
+
+        result.predicted_step = predict_as_ran(run, ranks, result.predicted)
     if main:
         write_json(out / SUMMARY_FILE, result.to_dict(), "summary", default=str)
     return result

@@ -36,9 +36,13 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 
 class StepStats(TrainerCallback):
-    """Wall time per optimizer step and tokens/s, kept for the summary and attached to each log line."""
+    """Wall time per optimizer step, tokens/s and the padded shape of what each step trained, kept for the
+    summary and attached to each log line. The shapes come from :meth:`record_batch`, which the trainer
+    calls with each micro-batch's tensor shape (no device sync)."""
 
     def __init__(self) -> None:
+        self.batches: list[tuple[tuple[int, int], ...]] = []  # per step: (rows, padded length) per micro-batch
+        self._micro: list[tuple[int, int]] = []
         self.step_times: list[float] = []
         self.cpu_times: list[float] = []  # process CPU seconds per step (all threads)
         self.losses: list[tuple[int, float]] = []
@@ -51,6 +55,10 @@ class StepStats(TrainerCallback):
         self._t0 = time.perf_counter()
         self._c0 = time.process_time()
         self._tokens0 = state.num_input_tokens_seen
+        self._micro = []
+
+    def record_batch(self, rows: int, length: int) -> None:
+        self._micro.append((rows, length))
 
     def on_step_end(self, args, state, control, **kw):
         if self._t0 is None:
@@ -58,6 +66,7 @@ class StepStats(TrainerCallback):
         dt = time.perf_counter() - self._t0
         self.step_times.append(dt)
         self.cpu_times.append(time.process_time() - self._c0)
+        self.batches.append(tuple(self._micro))
         self._window[0] += dt
         self._window[1] += state.num_input_tokens_seen - self._tokens0
 
@@ -72,6 +81,9 @@ class StepStats(TrainerCallback):
         if self.step_times:
             logs["step_time_s"] = round(self.step_times[-1], 4)
             logs["step_cpu_s"] = round(self.cpu_times[-1], 4)
+        if self.batches and self.batches[-1]:
+            logs["padded_tokens"] = sum(r * w for r, w in self.batches[-1])  # rows × padded length, summed
+            logs["padded_len"] = max(w for _, w in self.batches[-1])
         peak, kind = peak_memory_bytes()
         logs["peak_mem_bytes"] = peak
         logs["peak_mem_kind"] = kind

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from transformers import Trainer, TrainingArguments
 
@@ -15,7 +15,16 @@ OPTIMIZERS = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "sgd": "sgd
 
 
 class MemfitTrainer(AtomicCheckpointMixin, Trainer):
-    """``transformers.Trainer`` whose checkpoints appear only when complete."""
+    """``transformers.Trainer`` whose checkpoints appear only when complete, and which reports each
+    training micro-batch's (rows, padded length) to ``batch_sink`` (a shape read: no device sync)."""
+
+    batch_sink: Optional[Callable[[int, int], None]] = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ids = inputs.get("input_ids") if self.batch_sink is not None and hasattr(inputs, "get") else None
+        if ids is not None and getattr(ids, "ndim", 0) == 2:
+            self.batch_sink(int(ids.shape[0]), int(ids.shape[1]))
+        return super().training_step(model, inputs, num_items_in_batch)
 
 
 def precision_flags(precision: str) -> dict[str, bool]:
@@ -84,4 +93,5 @@ def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: 
     # memfit shows its own progress; the Trainer's printer would dump every log dict.
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
+    trainer.batch_sink = next((cb.record_batch for cb in callbacks if hasattr(cb, "record_batch")), None)
     return trainer
