@@ -118,6 +118,10 @@ def test_eager_rate_by_score_bytes_and_measured_checkpointing(monkeypatch):
     t = estimate(TINY, cpu_pool(attention=by_bytes), st).time
     # b·H·s²·4 B = 1 x 4 x 256 x 4 = 4096 B: log-midway between 1 kB (4e9) and 16 kB (1e9) -> 2e9 FLOP/s
     assert t["attention_seconds"] == pytest.approx(4 * 16 * 16 * 64 * 2 * 3 / 2e9)
+    # checkpointing recomputes the forward: its measured share of eager's step (0.5 here), not the FLOPs' 1/3
+    by_bytes["1"]["forward_share"] = {"eager": 0.5, "sdpa": 0.25}
+    gc = estimate(TINY, cpu_pool(attention=by_bytes), st.model_copy(update={"gradient_checkpointing": True})).time
+    assert gc["attention_seconds"] == pytest.approx(1.5 * t["attention_seconds"])
     # checkpointing's dispatch as measured (0.4 ms per layer over the plain layer's)
     o = {"layer": 1e-3, "model": 2e-3, "adapter": 1e-4, "eager_layer_extra": 0.0, "gc_layer_extra": 4e-4}
     st = st.model_copy(update={"attention": "sdpa", "gradient_checkpointing": True})

@@ -57,6 +57,9 @@ class Speeds:
     overheads: Optional[tuple] = None  # (layer, model, adapter, eager extra, checkpointing extra per layer or None)
     gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
     attention_by_score_bytes: bool = False  # ``attention`` is keyed by a layer's b·H·s² score bytes, not by s
+    attention_forward_share: float = 1.0 / 3.0  # the forward's share of attention's forward + backward time
+    # (recomputed under checkpointing): measured where calibrated (this CPU: SDPA 0.25, eager 0.37-0.53 as its
+    # scores grow), else the FLOP share (forward 4·b·H·s²·d of 12)
     bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
     adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
@@ -181,6 +184,8 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
+        attention_forward_share=float((a_all.get("forward_share") or {}).get(
+            "eager" if attention == "eager" else "sdpa", cat.attention_forward_share)),
         bus_by_op=tuple((op, float(coll[op]["bus_bytes_per_s"])) for op in ("all_gather", "reduce_scatter")
                         if isinstance((coll or {}).get(op), dict)),
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,

@@ -225,7 +225,10 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     dequant = 0.0
     if st.method == "qlora":
         dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
-    attn_s = attn / sp.attention_rate(s, float(b) * model.heads * s * s * e)
+    # forward + backward at the measured rate, + the forward again under checkpointing at its measured share
+    attn_fb = 12.0 * b * s * s * model.q_dim * L
+    attn_s = attn_fb / sp.attention_rate(s, float(b) * model.heads * s * s * e) * (
+        1.0 + (sp.attention_forward_share if gc else 0.0))
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,

@@ -109,6 +109,7 @@ def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, 
     """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches)."""
     b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
     out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
+    shares: dict[str, list] = {}
     for name in dtypes:
         dt = DTYPES[name]
         for kind in ("eager", "sdpa"):
@@ -123,8 +124,12 @@ def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, 
                 def step(fn=fn) -> None:
                     fn().backward(g)
                     q.grad = k.grad = v.grad = None
-                out[kind][name][str(s)] = flops / timer(step, reps=3)
+                both = timer(step, reps=3)
+                out[kind][name][str(s)] = flops / both
+                if s == lengths[-1]:  # what checkpointing's recomputation adds: the forward's share of the step
+                    shares.setdefault(kind, []).append(min(1.0, timer(fn, reps=3) / both))
     out["eager_bytes"] = {name: eager_by_score_bytes(device, name, timer) for name in dtypes}
+    out["forward_share"] = {kind: sorted(v)[len(v) // 2] for kind, v in shares.items()}
     return out
 
 
