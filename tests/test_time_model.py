@@ -110,22 +110,27 @@ def test_lora_elementwise_bytes_from_peft_forward(monkeypatch):
         (8 * 2 * per_token - 2 * 4 * 100 * 64) / 1e10)
 
 
-def test_eager_rate_by_score_bytes_and_measured_checkpointing(monkeypatch):
+def test_eager_in_two_parts_and_measured_checkpointing(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     st = Strategy(**{**BASE, "method": "full", "precision": "fp32", "attention": "eager", "seq_len": 16})
-    by_bytes = {"1": {"eager": {"fp32": {"4": 5e9}}, "sdpa": {"fp32": {"4": 5e9}},
-                      "eager_bytes": {"fp32": {"1024": 4e9, "16384": 1e9}}}}
-    t = estimate(TINY, cpu_pool(attention=by_bytes), st).time
-    # b·H·s²·4 B = 1 x 4 x 256 x 4 = 4096 B: log-midway between 1 kB (4e9) and 16 kB (1e9) -> 2e9 FLOP/s
-    assert t["attention_seconds"] == pytest.approx(4 * 16 * 16 * 64 * 2 * 3 / 2e9)
-    # checkpointing recomputes the forward: its measured share of eager's step (0.5 here), not the FLOPs' 1/3
-    by_bytes["1"]["forward_share"] = {"eager": 0.5, "sdpa": 0.25}
-    gc = estimate(TINY, cpu_pool(attention=by_bytes), st.model_copy(update={"gradient_checkpointing": True})).time
-    assert gc["attention_seconds"] == pytest.approx(1.5 * t["attention_seconds"])
+    parts = {"bmm": 4e9, "scores": {"1024": 4e-9, "16384": 1e-9}, "scores_forward_share": 0.6}
+    att = {"1": {"eager": {"fp32": {"4": 5e9}}, "sdpa": {"fp32": {"4": 5e9}}, "eager_parts": {"fp32": parts}}}
+    t = estimate(TINY, cpu_pool(attention=att), st).time
+    # products: 12·b·s²·(H·d) per layer at 4e9; scores: b·H·s² = 1,024 values of 4 B = 4 kB, log-midway
+    # between 1 kB (4 ns per value) and 16 kB (1 ns) -> 2 ns per value
+    products, scores = 12 * 16 * 16 * 64 * 2 / 4e9, 2 * 1024 * 2e-9
+    assert t["attention_seconds"] == pytest.approx(products + scores)
+    # checkpointing recomputes the forward: a third of the products, the scores' measured forward share
+    gc = estimate(TINY, cpu_pool(attention=att), st.model_copy(update={"gradient_checkpointing": True})).time
+    assert gc["attention_seconds"] == pytest.approx(products * 4 / 3 + scores * 1.6)
+    # SDPA under checkpointing: its measured forward share
+    att["1"]["forward_share"] = {"sdpa": 0.25}
+    sd = st.model_copy(update={"attention": "sdpa", "gradient_checkpointing": True})
+    assert estimate(TINY, cpu_pool(attention=att), sd).time["attention_seconds"] == pytest.approx(
+        12 * 16 * 16 * 64 * 2 / 5e9 * 1.25)
     # checkpointing's dispatch as measured (0.4 ms per layer over the plain layer's)
     o = {"layer": 1e-3, "model": 2e-3, "adapter": 1e-4, "eager_layer_extra": 0.0, "gc_layer_extra": 4e-4}
-    st = st.model_copy(update={"attention": "sdpa", "gradient_checkpointing": True})
-    assert estimate(TINY, cpu_pool(overheads=o), st).time["dispatch_seconds"] == pytest.approx(2 * 1.4e-3 + 2e-3)
+    assert estimate(TINY, cpu_pool(overheads=o), sd).time["dispatch_seconds"] == pytest.approx(2 * 1.4e-3 + 2e-3)
 
 
 def test_deepspeed_zero12_all_reduce_their_buckets():
@@ -250,7 +255,9 @@ def test_micro_benchmarks_return_rates():
     assert 0 < adam["per_param"] < 1e-6 and adam["per_tensor"] >= 0
     att = H.attention_rates("cpu", ["fp32"], timer)
     assert set(att["eager"]["fp32"]) == set(att["sdpa"]["fp32"]) == {"256", "1024"}
-    assert set(att["eager_bytes"]["fp32"]) == {str(1 << 20), str(16 << 20), str(64 << 20)}
+    parts = att["eager_parts"]["fp32"]
+    assert set(parts["scores"]) == {str(1 << 20), str(16 << 20), str(64 << 20)} and parts["bmm"] > 1e8
+    assert 0 < parts["scores_forward_share"] <= 1 and 0 < att["forward_share"]["sdpa"] <= 1
     assert min(att["eager"]["fp32"].values()) > 1e8 and min(att["sdpa"]["fp32"].values()) > 1e8
 
 

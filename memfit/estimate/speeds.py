@@ -56,7 +56,11 @@ class Speeds:
     # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
     overheads: Optional[tuple] = None  # (layer, model, adapter, eager extra, checkpointing extra per layer or None)
     gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
-    attention_by_score_bytes: bool = False  # ``attention`` is keyed by a layer's b·H·s² score bytes, not by s
+    # eager attention in two parts where calibrated (memfit.measure.hwcal.eager_parts): FLOP/s of its batched
+    # products, and seconds per score value of the work on the b·H·s² matrix by its bytes (+ forward share)
+    eager_bmm: float = 0.0
+    eager_scores: tuple = ()
+    eager_scores_forward_share: float = 0.5
     attention_forward_share: float = 1.0 / 3.0  # the forward's share of attention's forward + backward time
     # (recomputed under checkpointing): measured where calibrated (this CPU: SDPA 0.25, eager 0.37-0.53 as its
     # scores grow), else the FLOP share (forward 4·b·H·s²·d of 12)
@@ -79,12 +83,20 @@ class Speeds:
         f = min(1.0, max(0.0, math.log(max(mean_tensor, 1.0) / s0) / math.log(s1 / s0)))
         return r0 + f * (r1 - r0)
 
-    def attention_rate(self, seq: float, score_bytes: float = 0.0) -> float:
-        """Attention FLOP/s at sequence length ``seq``, or at ``score_bytes`` (one layer's b·H·s² scores)
-        where the curve is keyed by them; log-interpolated between the measured points."""
+    def score_seconds(self, score_bytes: float) -> float:
+        """Eager attention's seconds per score value (forward + backward) for a b·H·s² matrix of
+        ``score_bytes``: log-interpolated in bytes between the calibrated sizes (clamped outside)."""
+        pts = self.eager_scores
+        x = min(max(score_bytes, pts[0][0]), pts[-1][0])
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if x <= b1:
+                f = math.log(x / b0) / math.log(b1 / b0) if b1 > b0 else 1.0
+                return math.exp((1 - f) * math.log(t0) + f * math.log(t1))
+        return pts[-1][1]
+
+    def attention_rate(self, seq: float) -> float:
+        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
         pts = self.attention
-        if self.attention_by_score_bytes and score_bytes:
-            seq = score_bytes
         if len(pts) == 1 or seq <= pts[0][0]:
             return pts[0][1]
         for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
@@ -168,9 +180,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         gain = g["large"] / g_all["fp32"]["large"] if "fp32" in g_all else 1.0
     curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in att.items())) if isinstance(att, dict) \
         else ((1.0, float(att) * gain * scale),)
-    by_bytes = (a_all.get("eager_bytes") or {}).get(dt) if attention == "eager" else None
-    if by_bytes:  # eager's rate by the bytes of a layer's score matrix (it falls as the scores leave the caches)
-        curve = tuple(sorted((float(k), float(v) * scale) for k, v in by_bytes.items()))
+    eager = (a_all.get("eager_parts") or {}).get(dt) if attention == "eager" else None
     bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
     coll = (rates.collectives or {}).get(str(hw.world_size))
@@ -194,7 +204,9 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
         adam_mid=(float(opt["mid_tensor_params"]), opt["per_param_mid"] / share) if opt.get("per_param_mid") else (),
         adam_size=float(opt.get("tensor_params", 0.0)),
-        attention_by_score_bytes=bool(by_bytes))
+        eager_bmm=float(eager["bmm"]) * scale if eager else 0.0,
+        eager_scores=tuple(sorted((float(k), float(v) / scale) for k, v in eager["scores"].items())) if eager else (),
+        eager_scores_forward_share=float(eager.get("scores_forward_share", 0.5)) if eager else 0.5)
 
 
 def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:

@@ -227,8 +227,12 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
     # forward + backward at the measured rate, + the forward again under checkpointing at its measured share
     attn_fb = 12.0 * b * s * s * model.q_dim * L
-    attn_s = attn_fb / sp.attention_rate(s, float(b) * model.heads * s * s * e) * (
-        1.0 + (sp.attention_forward_share if gc else 0.0))
+    if st.attention == "eager" and sp.eager_bmm:  # its products + the work on the b·H·s² scores, measured apart
+        scores = float(b) * model.heads * s * s
+        attn_s = attn_fb / sp.eager_bmm * (1.0 + (1.0 / 3.0 if gc else 0.0)) + L * scores * sp.score_seconds(
+            scores * e) * (1.0 + (sp.eager_scores_forward_share if gc else 0.0))
+    else:
+        attn_s = attn_fb / sp.attention_rate(s) * (1.0 + (sp.attention_forward_share if gc else 0.0))
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,

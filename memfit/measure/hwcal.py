@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,17 @@ class _Timer:
                 break
         times.sort()
         return times[len(times) // 2]
+
+    def interleaved(self, fns: dict, rounds: int = 9) -> dict:
+        """The median time of each of ``fns``, timed round-robin (one repetition of each per round): figures
+        meant to be subtracted from one another then see the same moments of a shared machine."""
+        for fn in fns.values():
+            fn()
+        times: dict = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(self._once(fn))
+        return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
     def _once(self, fn: Callable[[], None]) -> float:
         if self.device == "cuda":
@@ -128,29 +139,47 @@ def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, 
                 out[kind][name][str(s)] = flops / both
                 if s == lengths[-1]:  # what checkpointing's recomputation adds: the forward's share of the step
                     shares.setdefault(kind, []).append(min(1.0, timer(fn, reps=3) / both))
-    out["eager_bytes"] = {name: eager_by_score_bytes(device, name, timer) for name in dtypes}
+    out["eager_parts"] = {name: eager_parts(device, name, timer) for name in dtypes}
     out["forward_share"] = {kind: sorted(v)[len(v) // 2] for kind, v in shares.items()}
     return out
 
 
-def eager_by_score_bytes(device: str, dtype: str, timer: _Timer) -> dict[str, float]:
-    """Eager attention's FLOP/s by the bytes of one layer's b·H·s² score matrix: its matmul writes the
-    scores, the scale, mask add and softmax read and write them (and backward again), so its speed falls
-    as the matrix leaves each cache (CPU: 1 MB fits L2, 16 MB the L3, 64 MB neither)."""
+def eager_parts(device: str, dtype: str, timer: _Timer) -> dict:
+    """transformers' eager attention in its two parts, forward + backward:
+
+    * ``bmm`` — FLOP/s of its two batched products (q·kᵀ, p·v: 12·b·H·s²·d with their gradients);
+    * ``scores`` — seconds per score value of the work on the b·H·s² matrix itself (scale, mask add,
+      fp32 softmax, and their gradients), by the matrix's bytes: it runs from L2, L3 or memory as the matrix
+      grows (CPU: 1 MB fits L2, 16 MB the L3, 64 MB neither); ``scores_forward_share``: the forward's part
+      (what checkpointing recomputes).
+    The head dimension d scales the products only, so a model's eager step follows from both parts.
+    """
     dt = DTYPES[dtype]
     size = torch.tensor([], dtype=dt).element_size()
-    shapes = [(2, 16, 1024, 128), (2, 16, 4096, 128)] if device == "cuda" else \
-        [(1, 4, 256, 32), (1, 4, 1024, 32), (1, 16, 1024, 32)]
-    out = {}
-    for b, h, s, d in shapes:
-        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-        mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
-        g = torch.randn(b, h, s, d, device=device, dtype=dt)
+    b, h, s, d = (2, 16, 2048, 128) if device == "cuda" else (1, 8, 256, 32)
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, h, s, d, device=device, dtype=dt)
 
-        def step() -> None:
-            _eager_attention(q, k, v, mask).backward(g)
-            q.grad = k.grad = v.grad = None
-        out[str(b * h * s * s * size)] = 12.0 * b * h * s * s * d / timer(step, reps=3)
+    def products() -> None:
+        torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v).backward(g)
+        q.grad = k.grad = v.grad = None
+    out: dict = {"bmm": 12.0 * b * h * s * s * d / timer(products, reps=5), "scores": {}}
+    shares = []
+    for b, h, s in ([(2, 16, 2048), (8, 16, 2048)] if device == "cuda" else [(1, 4, 256), (1, 4, 1024), (1, 16, 1024)]):
+        x = torch.randn(b, h, s, s, device=device, dtype=dt, requires_grad=True)
+        mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
+        gs = torch.randn(b, h, s, s, device=device, dtype=dt)
+
+        def forward() -> torch.Tensor:  # as eager_attention_forward: scale, mask add, fp32 softmax, cast back
+            return torch.softmax(x * 0.125 + mask, dim=-1, dtype=torch.float32).to(dt)
+
+        def both() -> None:
+            forward().backward(gs)
+            x.grad = None
+        t = timer(both, reps=3)
+        out["scores"][str(b * h * s * s * size)] = t / (b * h * s * s)
+        shares.append(min(1.0, timer(forward, reps=3) / t))
+    out["scores_forward_share"] = sorted(shares)[len(shares) // 2]
     return out
 
 
@@ -306,7 +335,24 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
             out["overheads"] = model_overheads("cpu", timer)
             say("NF4 dequantisation")
             out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer)}
+            # the one-thread rates again, some seconds later: a shared machine's speed drifts between
+            # moments (±20-30 % here); the geometric mean of two passes halves what one moment weighs
+            say("GEMM, attention and bandwidth again, 1 thread")
+            again = {"gemm": gemm_rates("cpu", ["fp32"], timer), "attention": attention_rates("cpu", ["fp32"], timer),
+                     "bandwidth": bandwidth_rate("cpu", timer)}
+            for part in again:
+                out[part][key] = _mean_rates(out[part][key], again[part])
     return out
+
+
+def _mean_rates(a: Any, b: Any) -> Any:
+    """The geometric mean of two measurements of the same table, leaf by leaf (a's entries that b lacks
+    are kept; shapes and widths are equal in both)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _mean_rates(v, b[k]) if k in b else v for k, v in a.items()}
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 and b > 0 and not isinstance(a, bool):
+        return (a * b) ** 0.5
+    return a
 
 
 def _cuda_part(say: Callable[[str], None]) -> dict:
@@ -335,7 +381,7 @@ def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    steps = 4 if cuda else 3 * len({1, cores}) + 3
+    steps = 4 if cuda else 3 * len({1, cores}) + 4
     count = [0]
 
     def say(what: str) -> None:
@@ -397,7 +443,7 @@ def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
     ids = torch.randint(0, 64, (1, 8), device=device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-    def seconds(layers: int, lora: bool = False, attn: str = "sdpa", gc: bool = False) -> float:
+    def step_of(layers: int, lora: bool = False, attn: str = "sdpa", gc: bool = False) -> Callable[[], None]:
         cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
                           vocab_size=64, num_hidden_layers=layers, max_position_embeddings=64,
                           attn_implementation=attn)
@@ -414,10 +460,12 @@ def model_overheads(device: str, timer: _Timer) -> dict[str, float]:
             model(input_ids=ids, labels=ids).loss.backward()
             for p in params:
                 p.grad = None
-        return timer(step, reps=7)
-    two, four = seconds(2), seconds(4)
+        return step
+    t = timer.interleaved({"two": step_of(2), "four": step_of(4), "lora": step_of(4, lora=True),
+                           "eager": step_of(4, attn="eager"), "gc": step_of(4, gc=True)})
+    two, four = t["two"], t["four"]
     layer = max(0.0, (four - two) / 2)
     return {"layer": layer, "model": max(0.0, two - 2 * layer),
-            "adapter": max(0.0, (seconds(4, lora=True) - four) / (4 * len(targets))),
-            "eager_layer_extra": max(0.0, (seconds(4, attn="eager") - four) / 4),
-            "gc_layer_extra": max(0.0, (seconds(4, gc=True) - four) / 4)}
+            "adapter": max(0.0, (t["lora"] - four) / (4 * len(targets))),
+            "eager_layer_extra": max(0.0, (t["eager"] - four) / 4),
+            "gc_layer_extra": max(0.0, (t["gc"] - four) / 4)}
