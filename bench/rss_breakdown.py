@@ -37,6 +37,9 @@ CONFIGS = {  # name -> strategy fields (fp32, seq 512, 8 sequences per step)
     "lora-sdpa-mb4": dict(method="lora", gradient_checkpointing=False, attention="sdpa", micro_batch_size=4, grad_accum=2),
     "full-eager-mb4": dict(method="full", gradient_checkpointing=False, attention="eager", micro_batch_size=4,
                            grad_accum=2),
+    # not used to set the constants (held out)
+    "full-gc-mb8": dict(method="full", gradient_checkpointing=True, attention="sdpa", micro_batch_size=8, grad_accum=1),
+    "lora-gc-mb8": dict(method="lora", gradient_checkpointing=True, attention="eager", micro_batch_size=8, grad_accum=1),
 }
 MALLOC = {"default": None, "bench": str(32 << 20), "measure": "65536"}
 
