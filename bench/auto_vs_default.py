@@ -31,12 +31,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the trained processes run glibc's malloc as a user's `memfit train` does (the estimator's CPU heap term
+# describes that): not bench/time_grid.py's MALLOC_MMAP_THRESHOLD_, which importing it sets
+_USER_MALLOC = os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
 def _memfit(args: list[str]) -> dict:
     """Run `python -m memfit ARGS --json`; the summary object it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if _USER_MALLOC is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = _USER_MALLOC
     out = subprocess.run([sys.executable, "-m", "memfit", *args, "--json"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(HERE.parent)}, timeout=1800)
+                         env={**env, "PYTHONPATH": str(HERE.parent)}, timeout=1800)
     text = out.stdout
     start = text.find("\n{") + 1 if not text.startswith("{") else 0
     if out.returncode != 0 or start < 0:

@@ -134,7 +134,7 @@ def test_peak_concurrency_with_checkpointing():
     # with AdamW's CPU temporaries (2.5 B/param) the step is higher still
     cpu = estimate(TINY, parse_hardware("CPU", cpu_ram="64GB"),
                    Strategy(**{**BASE, "precision": "fp32", "gradient_checkpointing": True}))
-    assert cpu.gpu["total"] == pytest.approx(static + 347_392 + 2.5 * 86_848)
+    assert cpu.gpu["total"] - cpu.gpu["overhead"] == pytest.approx(static + 347_392 + 2.5 * 86_848)
 
 
 def test_qlora_weights():

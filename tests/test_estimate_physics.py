@@ -50,7 +50,7 @@ def test_checkpointing_with_eager_keeps_the_recomputed_scores_and_the_mask():
     # temporaries 2.5 B/param in the step
     first = working + BWD + mask + inputs / 2 + 4 * (P - 36_992 - 6_400)
     last = working + BWD + mask + inputs + 4 * LAST
-    assert g["total"] == pytest.approx(4 * P + 8 * P + max(first, last, 4 * P + 2.5 * P))
+    assert g["total"] - g["overhead"] == pytest.approx(4 * P + 8 * P + max(first, last, 4 * P + 2.5 * P))
     # it used to miss the score tensors of the recomputed layer's backward (-40 % on a measured run)
     off = run(gradient_checkpointing=True, attention="sdpa").gpu
     assert g["activations"] - off["activations"] > 2 * 4 * S * S * 4
@@ -63,7 +63,7 @@ def test_eager_gqa_peak_is_inside_the_last_layer_backward():
     peak = 2 * LAYER + BWD + 4 * LAST
     loss = 2 * LAYER + TAIL + S * 100 * 12  # start of backward: + the fp32 log-softmax and two gradients
     assert peak > loss
-    assert g["total"] == pytest.approx(4 * P + 8 * P + peak)
+    assert g["total"] - g["overhead"] == pytest.approx(4 * P + 8 * P + peak)
 
 
 def test_lora_saves_no_inputs_of_frozen_linears_without_adapter():
@@ -111,3 +111,20 @@ def test_cpu_process_baseline_and_meft_store_share_the_device_ram():
     store = gpu.cpu["meft_store"]
     assert store > 0 and est.gpu["meft_buffers"] == pytest.approx(gpu.gpu["meft_buffers"] + store)
     assert gpu.cpu["process_baseline"] == 2 * 2**30  # a CUDA process
+
+
+def test_cpu_heap_keeps_holes_of_the_layers_activations():
+    # glibc's brk heap (the CPU pseudo-device's "allocator_fragmentation"): 30 MB + 0.62 x all layers'
+    # activations of one micro-batch when the base is trained (2 layers x 2,228,224 B here), the same with
+    # checkpointing (the recomputation makes the same tensors again), and 0.92 x with adapters
+    full = run().gpu_overhead["allocator_fragmentation"]
+    assert full == pytest.approx(30e6 + 0.62 * 2 * LAYER)
+    gc = run(gradient_checkpointing=True).gpu_overhead["allocator_fragmentation"]
+    assert full - gc == pytest.approx(0.62 * 2 * S * 256)  # less each layer's input, counted under act_in
+    # LoRA (r 16 on q, v; no dropout): the frozen layers save no inputs of their linears but the norms'
+    # and attention's, so its set is its own; the fraction is the adapters' one
+    lora = run(method="lora", lora_targets=["q_proj", "v_proj"], lora_dropout=0.0)
+    layers = lora.gpu_overhead["allocator_fragmentation"] - 30e6
+    assert layers / 0.92 < 2 * LAYER
+    cpu_rss = lambda e: e.gpu_total + e.cpu_total  # noqa: E731 - one RAM: tensors + heap holes + baseline
+    assert cpu_rss(run()) == pytest.approx(run().gpu_allocated + full + 0.6e9)

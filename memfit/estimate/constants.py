@@ -76,7 +76,18 @@ class Profile:
     allocator_cached_loss: float = 0.5  # fraction of the loss's logits-sized blocks still reserved when the optimizer step is the peak (fitted: bench/gpu_published.py)
     fragmentation_offload: float = 0.0  # + fraction of allocated with offload (side streams keep their own pools; GMLake: up to ~33 %)
     expandable_segments: float = 0.0  # 1.0: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (freed pages remapped: no cached-layer term)
-    fragmentation_cpu: float = 0.0  # CPU pseudo-device: no caching-allocator gap (glibc's RSS excess is in process_baseline_bytes)
+    # CPU pseudo-device: glibc malloc (as `memfit train` runs it: no MALLOC_* settings) serves tensors under its mmap
+    # threshold (dynamic, up to 32 MiB: malloc/malloc.c DEFAULT_MMAP_THRESHOLD_MAX) from the brk heap, which shrinks
+    # only from its top: the holes freed tensors leave stay resident, so peak RSS = baseline + tensor peak + these.
+    # They follow what a micro-batch allocates layer by layer, not the peak: A = all layers' activations of one
+    # micro-batch without checkpointing (with it, the same tensors made in the forward and the recomputation).
+    # Measured with bench/rss_breakdown.py (fp32, seq 512, h256/4-layer Llama, 7 configurations): peak RSS under
+    # glibc's defaults - (baseline + tensor peak, which the same runs read within +3-4 % with
+    # MALLOC_MMAP_THRESHOLD_=65536, every freed tensor unmapped) = 30 MB + 0.48-0.62 x A training the base
+    # (full: mb 2/4/8, eager/SDPA, checkpointing) and 0.65-0.91 x A with adapters (LoRA: mb 1/4, eager/SDPA).
+    fragmentation_cpu: float = 0.62  # glibc heap kept beyond the tensor peak, per byte of A, base weights trained (bench/rss_breakdown.py: 0.48-0.62)
+    fragmentation_cpu_adapters: float = 0.92  # the same with a frozen base and adapters (LoRA; QLoRA/DoRA/MEFT unmeasured) (bench/rss_breakdown.py: 0.65-0.91)
+    fragmentation_cpu_bytes: float = 30e6  # + bytes per process whatever A (bench/rss_breakdown.py: LoRA mb 1 + checkpointing keeps 72 MB with A = 65 MB)
     ddp_bucket_copy: float = 1.0  # DDP keeps flat gradient buckets: a second copy of trainable grads (gradient_as_bucket_view=False)
     zero_reduce_bucket_per_h2: float = 1.0  # DeepSpeed reduce_bucket_size = h² elements (HF 'auto'); double-buffered
     zero_allgather_bucket_elements: float = 2e8  # DeepSpeed allgather_bucket_size (elements) for ZeRO-1/2

@@ -89,8 +89,12 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
 def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, formula: float) -> float:
     """The allocator's gap between reserved and allocated memory at the peak."""
     model, p, st = run.model, run.profile, run.strategy
-    if run.gpu.is_cpu:
-        return formula * p.fragmentation_cpu
+    if run.gpu.is_cpu:  # glibc's brk heap: the holes freed tensors leave stay resident (constants.py); they
+        # follow the layers' activations each micro-batch allocates (all layers' saved set without checkpointing;
+        # with it the same tensors are made in the forward and again, layer by layer, in the recomputation)
+        layer = (saved.act_layers + saved.adapter.intermediates) / (p.checkpoint_extra_layers if run.gc else model.layers)
+        frac = p.fragmentation_cpu if run.method.trains_base else p.fragmentation_cpu_adapters
+        return p.fragmentation_cpu_bytes + frac * layer * model.layers
     # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
     working_set = (saved.act_layers + saved.adapter.intermediates) / (
         p.checkpoint_extra_layers if run.gc else model.layers)
