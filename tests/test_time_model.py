@@ -148,6 +148,8 @@ def test_processes_share_the_cores(monkeypatch):
     one = estimate(TINY, cpu_pool(1), st).time
     two = estimate(TINY, cpu_pool(2), st).time  # 2 processes x 1 thread on 2 cores: nobody waits
     assert two["matmul_seconds"] == pytest.approx(one["matmul_seconds"])
+    # ... but one memory system: the 2-thread bandwidth (1e10 here, as at 1 thread) is split between them
+    assert two["memory_bound_seconds"] == pytest.approx(2 * one["memory_bound_seconds"])
     # DDP all-reduce of the fp32 gradients: 2 x 86,848 x 4 B, half of it crosses, at the measured 1 GB/s
     # bus + 1 call x 0.1 ms latency; gloo on CPU: nothing hidden
     assert two["comm_seconds"] == pytest.approx(2 * 86_848 * 4 * 0.5 / 1e9 + 1e-4)

@@ -182,6 +182,9 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         else ((1.0, float(att) * gain * scale),)
     eager = (a_all.get("eager_parts") or {}).get(dt) if attention == "eager" else None
     bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
+    if cpu and hw.gpus_per_node > 1:  # N processes stream through one memory system: each gets its part of the
+        busy = min(rates.cores, threads * hw.gpus_per_node)  # bandwidth measured with all their threads running
+        bw = min(bw, _interp(rates.bandwidth, busy) / hw.gpus_per_node)
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
     coll = (rates.collectives or {}).get(str(hw.world_size))
     cat = catalog_speeds(hw, precision, attention, profile)
