@@ -154,6 +154,8 @@ def test_processes_share_the_cores(monkeypatch):
     # bus + 1 call x 0.1 ms latency; gloo on CPU: nothing hidden
     assert two["comm_seconds"] == pytest.approx(2 * 86_848 * 4 * 0.5 / 1e9 + 1e-4)
     assert two["comm_exposed_seconds"] == two["comm_seconds"]
+    # the Trainer's own gathers (loss, flos, token counts: 4 per step) at the measured 0.1 ms latency
+    assert two["trainer_seconds"] - one["trainer_seconds"] == pytest.approx(4 * 1e-4)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # 2 x 2 threads on 2 cores: each gets half
     crowded = estimate(TINY, cpu_pool(2), st).time
     assert crowded["matmul_seconds"] == pytest.approx(2 * one["matmul_seconds"])

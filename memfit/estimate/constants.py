@@ -41,6 +41,7 @@ class Profile:
     collective_latency_seconds: float = 3e-5  # NCCL all-reduce latency of a small message within a node (nccl-tests: 10-50 us)
     cpu_bandwidth: float = 10e9  # uncalibrated CPU pseudo-device: bytes/s of elementwise work (order of magnitude)
     cpu_op_seconds: float = 1.2e-5  # uncalibrated CPU: one small op forward + backward (this project's 2-core machine: 12 us, memfit calibrate --hardware)
+    trainer_step_collectives: float = 4.0  # the HF Trainer's own collectives per optimizer step with several processes and logging every step (transformers 5.24 trainer.py: num_items_in_batch and num_input_tokens_seen gathers, the logged loss's nested_gather and store_flos; counted on a 2-rank gloo run: 37 calls in 9 steps)
     trainer_step_ops: float = 600.0  # the HF Trainer's own work per optimizer step (loop, callbacks, scheduler, logging, clipping's Python), in small-op costs: memfit's trainer on a 2-layer h16 Llama took ~10 ms more per step than the bare loop on this machine, where one op costs ~16 us (docs/time.md)
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
     # ---- time: communication ------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
-    trainer_s = p.trainer_step_ops * sp.op_seconds
+    trainer_s = p.trainer_step_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
     step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
