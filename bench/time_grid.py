@@ -1,6 +1,6 @@
 """Predicted vs measured step time on a grid of configurations on this machine.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # measure + predict (~4 min quiet)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # calibrate, measure + predict (~6 min quiet)
     .venv/bin/python bench/time_grid.py --reuse                      # re-predict the saved measurements
     .venv/bin/python bench/time_grid.py --quick                      # 6 configurations (smoke)
 
@@ -11,7 +11,7 @@ configuration runs in a fresh process through memfit's trainer (memfit.measure.r
 1 profiled step (not timed), then the timed steps; the measured figure is the median timed step (wall
 and process CPU time; with several ranks the slowest rank's). Every process runs one thread
 (OMP_NUM_THREADS=1 is set here), so on a quiet machine wall ≈ CPU time; on a loaded one the CPU time is
-the steadier figure. Predictions use the cached hardware profile (`memfit calibrate --hardware`).
+the steadier figure. Predictions use the hardware profile measured at the start of the run (`memfit calibrate --hardware --force`; `--cached-profile` keeps the cached one).
 
 Prints per configuration the predicted and measured step, the error, and per group of configurations
 sharing a model and a sequence length the Kendall rank correlation of predicted vs measured order.
@@ -176,7 +176,9 @@ def main() -> int:
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out")
-    ap.add_argument("--steps", type=int, default=4, help="steps after the warm-up (the first is profiled)")
+    ap.add_argument("--steps", type=int, default=6, help="steps after the warm-up (the first is profiled)")
+    ap.add_argument("--cached-profile", action="store_true",
+                    help="use the cached hardware profile instead of calibrating again before measuring")
     ap.add_argument("--only", type=str, default=None, help="comma-separated cell numbers to (re)measure")
     args = ap.parse_args()
     models = build_models(args.models)
@@ -184,7 +186,11 @@ def main() -> int:
     if not args.reuse:
         from memfit.measure.hwcal import ensure_hardware_profile
 
-        ensure_hardware_profile(progress=lambda line: print(f"  calibrating {line}", file=sys.stderr))
+        # by default calibrate now: the machine's speed drifts (±20-30 % on a shared VM), so the benchmark
+        # compares the model with measurements taken in the same window as its calibration
+        rates, _ = ensure_hardware_profile(force=not args.cached_profile,
+                                           progress=lambda line: print(f"  calibrating {line}", file=sys.stderr))
+        print(f"calibration took {rates.took_seconds:.1f} s", file=sys.stderr)
         t0 = time.time()
         print(f"load before: {os.getloadavg()}", file=sys.stderr)
         if args.only:
