@@ -11,7 +11,8 @@ configuration runs in a fresh process through memfit's trainer (memfit.measure.r
 1 profiled step (not timed), then the timed steps; the measured figure is the median timed step (wall
 and process CPU time; with several ranks the slowest rank's). Every process runs one thread
 (OMP_NUM_THREADS=1 is set here), so on a quiet machine wall ≈ CPU time; on a loaded one the CPU time is
-the steadier figure. Predictions use the hardware profile measured at the start of the run (`memfit calibrate --hardware --force`; `--cached-profile` keeps the cached one).
+the steadier figure. Predictions use the hardware profile measured at the start of the run
+(`memfit calibrate --hardware --force`; `--cached-profile` keeps the cached one).
 
 Prints per configuration the predicted and measured step, the error, and per group of configurations
 sharing a model and a sequence length the Kendall rank correlation of predicted vs measured order.
