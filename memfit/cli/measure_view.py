@@ -45,6 +45,7 @@ def show_record(rec: dict[str, Any]) -> None:
              "error = (predicted − measured) / measured"]
     if m.get("peak_reserved_bytes") is None:
         notes.append("reserved: CUDA only")
+    notes += [row["note"] for row in rec["rows"] if row.get("note")]
     if m.get("cuda_context_bytes") is not None:
         notes.append(f"CUDA context {human_bytes(m['cuda_context_bytes'])}")
     if rec.get("saved_to"):
