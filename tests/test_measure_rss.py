@@ -114,3 +114,19 @@ def test_cpu_rss_table_row(model_dir):
     line = next(ln for ln in cap.get().splitlines() if "tensors + process" in ln)
     assert human_bytes(row["predicted"]) in line and "700.00 MB" in line and f"{row['error_pct']:+.1f} %" in line
     assert "heap holes" in cap.get()
+
+
+def test_cpu_allocated_peak_leaves_out_the_heap_holes(model_dir):
+    """The tensor peak is compared with the device lines without glibc's heap holes (freed memory)."""
+    from memfit.measure.calibrate import TARGETS
+
+    rec = _record(model_dir)
+    mem = rec["predicted"]["memory"]
+    (total,) = [r for r in rec["rows"] if (r["component"], r["metric"]) == ("total", "allocated")]
+    assert total["predicted"] == mem["gpu_bytes"]["total"] - mem["gpu_overhead_bytes"]["allocator_fragmentation"]
+    assert total["predicted"] == pytest.approx(mem["gpu_allocated_bytes"], abs=1)
+    assert TARGETS["memory"][0](rec["predicted"]) == total["predicted"]  # calibrate fits the same figure
+    (overhead,) = [r for r in rec["rows"] if r["component"] == "overhead"]
+    g = mem["gpu_bytes"]  # the overhead line (heap only, on the CPU) goes; step temporaries stay in overhead
+    assert g["overhead"] == mem["gpu_overhead_bytes"]["allocator_fragmentation"]
+    assert overhead["predicted"] == g["comm_buffers"] + g["step_temporaries"] > 0

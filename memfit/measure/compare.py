@@ -55,13 +55,27 @@ PREDICTED_MAP: dict[str, tuple[str, ...]] = {
 }
 
 
+def cpu_pool(predicted: dict[str, Any]) -> bool:
+    """Whether the estimate is for the CPU pseudo-device (its "device" lines live in the host's RAM)."""
+    return ((predicted or {}).get("hardware") or {}).get("gpu") == CPU_POOL
+
+
 def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
-    """The per-device memory components of an ``Estimate.to_dict()``, folded as PREDICTED_MAP says."""
+    """The per-device memory components of an ``Estimate.to_dict()``, folded as PREDICTED_MAP says.
+
+    On the CPU pseudo-device the allocated figures leave out glibc's heap holes (the overhead line's
+    ``allocator_fragmentation``): freed memory, in RSS under glibc's defaults, never in the tensor peak."""
     mem = (predicted or {}).get("memory", {})
     gpu = mem.get("gpu_bytes") or mem.get("per_gpu_bytes") or {}
     lines = {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float))}
     if not lines:
         return {}
+    heap = 0.0
+    if cpu_pool(predicted):
+        heap = float((mem.get("gpu_overhead_bytes") or {}).get("allocator_fragmentation", 0))
+    for key in ("overhead", "total"):
+        if key in lines:
+            lines[key] -= heap
     out = {name: sum(lines.get(k, 0.0) for k in keys) for name, keys in PREDICTED_MAP.items()}
     mapped = {k for keys in PREDICTED_MAP.values() for k in keys} | {"total"}
     # lines this table does not know (e.g. step temporaries, concurrency corrections) are overhead, so
@@ -104,7 +118,7 @@ def predicted_rss(predicted: dict[str, Any], measured: dict[str, Any]) -> tuple[
     host = mem.get("cpu_bytes", {}).get("total")
     hw = (predicted or {}).get("hardware") or {}
     procs = int(hw.get("gpus_per_node") or 1)
-    if host is None or hw.get("gpu") != CPU_POOL or mem.get("gpu_bytes", {}).get("total") is None:
+    if host is None or not cpu_pool(predicted) or mem.get("gpu_bytes", {}).get("total") is None:
         return host, "processes" if len(measured.get("ranks") or []) > 1 else "process", ""
     heap = float(mem.get("gpu_overhead_bytes", {}).get("allocator_fragmentation", 0))
     holes = heap_holes_resident(measured)
