@@ -119,7 +119,7 @@ def main() -> int:
                     "(no new runs): to check an estimator change against the same measurements")
     args = ap.parse_args()
 
-    from memfit.measure.compare import summarize
+    from memfit.measure.compare import predicted_memory, summarize
     from memfit.measure.runner import measure, save_record
 
     models = build_models(args.out / "models")
@@ -158,7 +158,7 @@ def main() -> int:
         save_record(rec, args.out / "runs", f"{i:02d}-{cell['model']}")  # --reuse: same measurement, new prediction
         records.append(rec)
         m = rec["measured"]
-        pred = (rec["predicted"] or {}).get("memory", {}).get("gpu_bytes", {}).get("total")
+        pred = predicted_memory(rec["predicted"] or {}).get("total")
         print(f"{i:2d} {cell['model']:6} {cell['method']:6} {run.strategy.engine:16} "
               f"{'on' if cell['gradient_checkpointing'] else 'off':3} "
               f"{cell['attention']:5} {cell['seq_len']:5d} {cell['micro_batch_size']:2d} {cell.get('nproc', 1):2d} "
@@ -191,7 +191,7 @@ def calibration_check(records: list[dict]) -> None:
     try:
         from memfit.estimate.constants import Profile
         from memfit.measure.calibrate import DEFAULT_PLAN, calibrate, run_estimate_fn, total_errors
-        from memfit.measure.compare import summarize
+        from memfit.measure.compare import predicted_memory, summarize
     except ImportError:
         return
     train = [r for r in records if r["cell"]["model"] == "llama"]

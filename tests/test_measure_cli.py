@@ -45,9 +45,18 @@ def test_measure_sweep_json_and_calibrate(micro_model):
         assert len(m["ranks"]) == 1 and m["ranks"][0]["rank"] == 0
         assert m["peak_reserved_bytes"] is None  # CPU: no caching allocator
         if rec["predicted"] is not None:
-            total = rec["predicted"]["memory"]["gpu_bytes"]["total"]
+            # allocated: the device lines without glibc's heap holes (allocator_fragmentation on the CPU)
+            total = rec["predicted"]["memory"]["gpu_allocated_bytes"]
             want = round(100 * (total - m["peak_allocated_bytes"]) / m["peak_allocated_bytes"], 2)
             assert rec["error_pct"]["total"] == want
+            # CPU pseudo-device: RSS holds this process's tensors + its baseline (no heap holes: the
+            # measured process unmaps freed blocks over 64 KiB)
+            assert m["malloc_mmap_threshold"] == 65536
+            mem = rec["predicted"]["memory"]
+            (rss,) = [r for r in rec["rows"] if r["metric"] == "RSS"]
+            assert rss["component"] == "tensors + process"
+            assert rss["predicted"] == pytest.approx(mem["gpu_allocated_bytes"] + mem["cpu_bytes"]["total"], abs=1)
+            assert rss["measured"] == m["peak_rss_bytes"]
     no_gc, gc = records
     assert gc["run"]["strategy"]["gradient_checkpointing"] is True
     assert gc["measured"]["components"]["activations"] < no_gc["measured"]["components"]["activations"]

@@ -45,6 +45,7 @@ def show_record(rec: dict[str, Any]) -> None:
              "error = (predicted − measured) / measured"]
     if m.get("peak_reserved_bytes") is None:
         notes.append("reserved: CUDA only")
+    notes += [row["note"] for row in rec["rows"] if row.get("note")]
     if m.get("cuda_context_bytes") is not None:
         notes.append(f"CUDA context {human_bytes(m['cuda_context_bytes'])}")
     if rec.get("saved_to"):
@@ -53,7 +54,7 @@ def show_record(rec: dict[str, Any]) -> None:
 
 
 def show_sweep(records: list[dict[str, Any]]) -> None:
-    from memfit.measure.compare import node_rss, summarize
+    from memfit.measure.compare import node_rss, predicted_memory, summarize
 
     t = Table(title="sweep: allocated peak, predicted vs measured", title_justify="left")
     for col in ("configuration", "seq", "mb", "predicted", "measured (allocated)", "error",
@@ -62,7 +63,7 @@ def show_sweep(records: list[dict[str, Any]]) -> None:
                      overflow="fold", min_width=18 if col == "configuration" else None)
     for rec in records:
         m, s = rec["measured"], rec["run"]["strategy"]
-        pred = ((rec.get("predicted") or {}).get("memory") or {}).get("gpu_bytes", {}).get("total")
+        pred = predicted_memory(rec.get("predicted") or {}).get("total")
         t.add_row(rec["label"], str(s["seq_len"]), str(s["micro_batch_size"]), _fmt(pred, "bytes"),
                   _fmt(m["peak_allocated_bytes"], "bytes"), _err(rec["error_pct"].get("total")),
                   _fmt(node_rss(m)[0], "bytes"), _fmt(m.get("step_seconds"), "seconds"))

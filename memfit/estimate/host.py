@@ -35,13 +35,22 @@ def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, 
             "total": baseline + max(steady, loading)}, steady
 
 
+def node_ram(per_node: int, device_bytes: float, host_bytes: float) -> float:
+    """Resident memory of one node's processes on the CPU pseudo-device, where the "device" is the host's RAM:
+    each of its ``per_node`` processes holds its "device" lines (``device_bytes``: its tensors, + glibc's heap
+    holes where they are counted) and its share of the host lines (``host_bytes`` = ``cpu_bytes.total``, per
+    node: process baselines + offload). The planner's fits-check and ``memfit measure``'s RSS comparison both
+    use this figure."""
+    return per_node * device_bytes + host_bytes
+
+
 def verdict(run: Setup, gpu_total: float, cpu_total: float, gpu_loading: float, cuda_ctx: float, margin: float,
             usable: float) -> list[str]:
     """Why the run does not fit (empty: it fits)."""
     gpu, hardware, per_node = run.gpu, run.hardware, run.hardware.gpus_per_node
     reasons = []
     if gpu.is_cpu:  # one RAM holds every process's "device" lines and the process/offload lines
-        need = per_node * gpu_total + cpu_total
+        need = node_ram(per_node, gpu_total, cpu_total)
         if need > usable:
             procs_txt = f"{per_node} x " if per_node > 1 else ""
             reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {procs_txt}{gpu_total / 1e9:.2f} + process/offload "

@@ -171,4 +171,15 @@ class ProbeCallback(TrainerCallback):
             "method": r.method,
             "raw_events_peak_bytes": r.raw_events_peak_bytes,
             "baseline_bytes": r.baseline_bytes,
+            # glibc's mmap threshold this process ran with (None: its defaults): whether the heap kept the
+            # holes of freed tensors in the RSS (memfit.measure.compare.heap_holes_resident)
+            "malloc_mmap_threshold": _mmap_threshold(),
         }
+
+
+def _mmap_threshold() -> Optional[int]:
+    value = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:  # glibc ignores a value it cannot parse
+        return None

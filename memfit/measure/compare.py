@@ -4,12 +4,21 @@ The estimate's memory components (``memory.gpu_bytes``: weights, gradients, opti
 logits, overhead, total) are matched with the probe's categories. Every figure keeps the name of its
 metric: the comparison is against the **allocated** peak (allocator level); reserved (CUDA) and RSS are
 reported beside it, never mixed in. RSS is compared per node, like the estimator's ``cpu_bytes``: with
-several ranks, the sum of their peak RSS.
+several ranks, the sum of their peak RSS. On a GPU pool the predicted RSS is ``cpu_bytes.total``; on the CPU
+pseudo-device, whose "device" is the host's RAM, it is every process's device lines + ``cpu_bytes.total``
+(:func:`memfit.estimate.host.node_ram`, the planner's fits-check figure).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+from memfit.estimate.host import node_ram
+
+# the measured processes' glibc mmap threshold (memfit.measure.probe.env_for_measurement): every freed block
+# over 64 KiB is unmapped, so glibc's brk heap keeps no holes of freed tensors
+MEASURE_MMAP_THRESHOLD = 65536
+CPU_POOL = "CPU"  # the CPU pseudo-device's name in the hardware catalog (memfit.spec.hardware)
 
 # estimate component -> probe categories that make it up
 COMPONENT_MAP: dict[str, tuple[str, ...]] = {
@@ -46,13 +55,27 @@ PREDICTED_MAP: dict[str, tuple[str, ...]] = {
 }
 
 
+def cpu_pool(predicted: dict[str, Any]) -> bool:
+    """Whether the estimate is for the CPU pseudo-device (its "device" lines live in the host's RAM)."""
+    return ((predicted or {}).get("hardware") or {}).get("gpu") == CPU_POOL
+
+
 def predicted_memory(predicted: dict[str, Any]) -> dict[str, float]:
-    """The per-device memory components of an ``Estimate.to_dict()``, folded as PREDICTED_MAP says."""
+    """The per-device memory components of an ``Estimate.to_dict()``, folded as PREDICTED_MAP says.
+
+    On the CPU pseudo-device the allocated figures leave out glibc's heap holes (the overhead line's
+    ``allocator_fragmentation``): freed memory, in RSS under glibc's defaults, never in the tensor peak."""
     mem = (predicted or {}).get("memory", {})
     gpu = mem.get("gpu_bytes") or mem.get("per_gpu_bytes") or {}
     lines = {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float))}
     if not lines:
         return {}
+    heap = 0.0
+    if cpu_pool(predicted):
+        heap = float((mem.get("gpu_overhead_bytes") or {}).get("allocator_fragmentation", 0))
+    for key in ("overhead", "total"):
+        if key in lines:
+            lines[key] -= heap
     out = {name: sum(lines.get(k, 0.0) for k in keys) for name, keys in PREDICTED_MAP.items()}
     mapped = {k for keys in PREDICTED_MAP.values() for k in keys} | {"total"}
     # lines this table does not know (e.g. step temporaries, concurrency corrections) are overhead, so
@@ -76,6 +99,37 @@ def node_rss(measured: dict[str, Any]) -> tuple[Optional[int], str]:
     if measured.get("peak_rss_bytes") is not None:
         return int(measured["peak_rss_bytes"]), "RSS"
     return None, "RSS"
+
+
+def heap_holes_resident(measured: dict[str, Any]) -> bool:
+    """Whether glibc kept the holes of freed tensors resident in the measured processes: yes under its
+    defaults (``malloc_mmap_threshold`` None) or a threshold above 64 KiB, no with memfit measure's 65536
+    (records without the field were measured with it)."""
+    t = measured.get("malloc_mmap_threshold", MEASURE_MMAP_THRESHOLD)
+    return t is None or int(t) > MEASURE_MMAP_THRESHOLD
+
+
+def predicted_rss(predicted: dict[str, Any], measured: dict[str, Any]) -> tuple[Optional[float], str, str]:
+    """(predicted peak RSS of the node's processes, the row's label, a note) — comparable with
+    :func:`node_rss`. GPU pools: ``cpu_bytes.total`` (baseline, loading, offload). The CPU pseudo-device:
+    :func:`~memfit.estimate.host.node_ram` — each process's device lines (tensors; + glibc's heap holes, the
+    estimate's ``allocator_fragmentation``, only where the measured processes kept them) + ``cpu_bytes.total``."""
+    mem = (predicted or {}).get("memory", {})
+    host = mem.get("cpu_bytes", {}).get("total")
+    hw = (predicted or {}).get("hardware") or {}
+    procs = int(hw.get("gpus_per_node") or 1)
+    if host is None or not cpu_pool(predicted) or mem.get("gpu_bytes", {}).get("total") is None:
+        return host, "processes" if len(measured.get("ranks") or []) > 1 else "process", ""
+    heap = float(mem.get("gpu_overhead_bytes", {}).get("allocator_fragmentation", 0))
+    holes = heap_holes_resident(measured)
+    device = float(mem["gpu_bytes"]["total"]) - (0.0 if holes else heap)
+    tensors = "tensors + heap" if holes else "tensors"
+    label = f"{tensors} + process" if procs == 1 else (
+        f"{procs} × " + (f"({tensors})" if holes else tensors) + " + processes")
+    note = "" if holes or not heap else (
+        f"RSS: glibc's heap holes ({heap / 1e6:.0f} MB per process under its defaults) not counted, measured "
+        f"with MALLOC_MMAP_THRESHOLD_={measured.get('malloc_mmap_threshold', MEASURE_MMAP_THRESHOLD)}")
+    return node_ram(procs, device, float(host)), label, note
 
 
 def predicted_step_seconds(predicted: dict[str, Any]) -> Optional[float]:
@@ -116,11 +170,11 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, An
                      "error_pct": error_pct(total_p, measured["peak_reserved_bytes"])})
     rss_m, rss_metric = node_rss(measured)
     if rss_m is not None:
-        # the estimator's cpu_bytes are per node (every process on it): compared with the ranks' sum
-        rss_p = (predicted or {}).get("memory", {}).get("cpu_bytes", {}).get("total")
+        # the estimate's RSS figures are per node (every process on it): compared with the ranks' sum
+        rss_p, label, note = predicted_rss(predicted, measured)
         errors["rss"] = error_pct(rss_p, rss_m)
-        rows.append({"component": "processes" if "ranks" in rss_metric else "process", "metric": rss_metric,
-                     "predicted": rss_p, "measured": rss_m, "error_pct": errors["rss"]})
+        rows.append({"component": label, "metric": rss_metric, "predicted": rss_p, "measured": rss_m,
+                     "error_pct": errors["rss"], **({"note": note} if note else {})})
     t_p, t_m = predicted_step_seconds(predicted), measured.get("step_seconds")
     errors["step_seconds"] = error_pct(t_p, t_m)
     rows.append({"component": "step time", "metric": "seconds", "predicted": t_p, "measured": t_m,

@@ -324,5 +324,7 @@ def cuda_context_bytes(device: Any = None) -> Optional[int]:
 def env_for_measurement(base: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Environment for a measured subprocess: glibc returns freed blocks, so RSS tracks tensors closer."""
     env = dict(os.environ if base is None else base)
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    from memfit.measure.compare import MEASURE_MMAP_THRESHOLD
+
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MEASURE_MMAP_THRESHOLD))
     return env

@@ -85,6 +85,7 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "step_cpu_seconds": most("step_cpu_seconds"),
         "method": top.get("method"),
         "ranks": ranks,
+        **({"malloc_mmap_threshold": top["malloc_mmap_threshold"]} if "malloc_mmap_threshold" in top else {}),
     }
 
 

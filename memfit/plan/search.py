@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
+from memfit.estimate.host import node_ram
 from memfit.plan import rules
 from memfit.plan.single import check_margin
 from memfit.plan.space import enumerate_strategies, make_strategy
@@ -74,7 +75,7 @@ def _memory(est: Any, hardware: Any) -> str:
 
 def ram_need(est: Any, hardware: Any) -> float:
     """On the CPU device one RAM holds every process's "device" lines plus the process/offload lines."""
-    return hardware.gpus_per_node * est.gpu_total + est.cpu_total
+    return node_ram(hardware.gpus_per_node, est.gpu_total, est.cpu_total)
 
 
 def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]]:
