@@ -8,8 +8,9 @@ Ground truth (no fitting to any of it):
 * ``fms-main`` (high reliability): IBM fms-acceleration's reference CSV, one A100-80GB, plain HF stack,
   packed 4096-token blocks (santacoder: 2048, its position limit; the CSV's samples/s x 2048 = its
   tokens/s), checkpointing, FlashAttention-2, 100 steps; ``train_tokens_per_second`` = samples/s ×
-  block length (the HF Trainer's figure over the whole ``train()``, warm-up step included). Each row becomes memfit's (model, hardware, strategy)
-  through bench/gpu_published.py's ``convert`` (the same mapping its memory check uses).
+  block length (the HF Trainer's figure over the whole ``train()``, warm-up step included). Each row
+  becomes memfit's (model, hardware, strategy) through bench/gpu_published.py's ``convert`` (the same
+  mapping its memory check uses).
 * ``gpu-check-h200``: memfit's own trainer on an H200 (bench/results/gpu_check_h200_2026-11-30*.json,
   one timed step each after a warm-up and a profiled step; docs/gpu-check.md), mapped by
   bench/gpu_published.py's ``load_gpu_check``.
