@@ -29,6 +29,7 @@ MEMORY_BANDWIDTH = {"V100-16GB": 900e9, "V100-32GB": 900e9, "T4-16GB": 320e9, "A
                     "H100-PCIe-80GB": 2000e9, "H200-141GB": 4800e9, "RTX3090-24GB": 936e9,
                     "RTX4090-24GB": 1008e9, "A5000-24GB": 768e9, "A6000-48GB": 768e9, "L40S-48GB": 864e9}
 UNCALIBRATED = "catalog peak x utilisation, uncalibrated"
+CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel does (the lower triangle)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,10 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
         large = peak * (p.utilization_fp32 if precision == "fp32" else p.utilization)
         bw = MEMORY_BANDWIDTH.get(gpu.name, p.default_memory_bandwidth) * p.memory_bandwidth_efficiency
         op_s = p.kernel_launch_seconds
-    att = large if gpu.is_cpu else peak * p.utilization_attention_fused
+    # fused kernels with is_causal skip the score blocks above the diagonal: half the 12·b·H·s²·d the model
+    # counts (the FA2 paper, arXiv 2307.08691 §4.1, counts causal FLOPs as half; flash_attn's kernels and
+    # SDPA's flash / cuDNN backends stop each query block at the diagonal)
+    att = large if gpu.is_cpu else peak * p.utilization_attention_fused / CAUSAL_WORK
     if attention == "eager":  # the s² scores and softmax go through memory
         att = large / p.eager_attention_slowdown
     if hw.nodes > 1:

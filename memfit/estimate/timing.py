@@ -93,7 +93,10 @@ def elementwise_bytes(model: ModelSpec, e: float) -> float:
     norm = model.norms_per_layer * (28.0 + 4.0 * e) * h
     act = (5.0 if model.mlp in ("swiglu", "geglu") else 2.0) * e * ff
     repeat = 2.0 * e * 2 * q if model.kv_heads < model.heads else 0.0
-    return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat
+    # a mixture's routing (transformers MixtralSparseMoeBlock.forward): per top-k copy of the token, its
+    # gather into the expert's batch (2 passes of h), the routing-weight product (3) and index_add_ (3)
+    route = 8.0 * e * h * model.experts_per_token if model.experts else 0.0
+    return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat + route
 
 
 def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bool, gc: bool) -> float:
@@ -155,9 +158,10 @@ def _per_model(key: tuple, model: ModelSpec, compute):
 
 
 def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
-    """(in_features, out_features) of the adapted linears, in the model's order (cached)."""
+    """(in_features, out_features, copies x share of the tokens) of the adapted linears, in the model's
+    order (cached); the last is 1 for a dense linear, top-k for a mixture's experts."""
     return _per_model((id(model), adapted), model, lambda: tuple(
-        (x.in_features, x.out_features) for x in model.linears if x.name in adapted))
+        (x.in_features, x.out_features, x.count * x.active) for x in model.linears if x.name in adapted))
 
 
 def _head_rate(model: ModelSpec, sp: Speeds) -> float:
@@ -171,15 +175,17 @@ def _elementwise(model: ModelSpec, e: float) -> float:
 
 
 def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
-    """(Σ k·n, Σ k·n / GEMM rate, Σ (k + n) of the adapted) over one layer's linears (cached: plans
-    estimate thousands of combinations)."""
+    """(Σ k·n, Σ k·n / GEMM rate, Σ (k + n) of the adapted) over one layer's linears, each weighted by
+    the tokens it sees per token (copies x share: a mixture's top-k experts, ``Linear.count x active``)
+    (cached: plans estimate thousands of combinations)."""
     key = (id(model), sp, adapted)
     hit = _SUMS.get(key)
     if hit is None or hit[0] is not model:
         lins = model.linears
-        hit = (model, (sum(x.in_features * x.out_features for x in lins),
-                       sum(x.in_features * x.out_features / sp.gemm(x.in_features, x.out_features) for x in lins),
-                       sum(x.in_features + x.out_features for x in lins if x.name in adapted)))
+        hit = (model, (sum(x.in_features * x.out_features * x.count * x.active for x in lins),
+                       sum(x.in_features * x.out_features * x.count * x.active
+                           / sp.gemm(x.in_features, x.out_features) for x in lins),
+                       sum((x.in_features + x.out_features) * x.count * x.active for x in lins if x.name in adapted)))
         if len(_SUMS) > 4096:
             _SUMS.clear()
         _SUMS[key] = hit
@@ -211,8 +217,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
-    lora_bytes = sum(lora_elementwise_bytes(k, n, e, st.lora_dropout > 0, st.precision != "fp32", gc)
-                     for k, n in _adapted_shapes(model, adapted))
+    lora_bytes = sum(w * lora_elementwise_bytes(k, n, e, st.lora_dropout > 0, st.precision != "fp32", gc)
+                     for k, n, w in _adapted_shapes(model, adapted))
     mem = T * L * (_elementwise(model, e) * fwd + lora_bytes)
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
     # loss: upcast, log-softmax, gather, its gradient, cast (the chunked loss's in-forward softmax − one-hot
@@ -224,7 +230,9 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         mem += 2.0 * 4.0 * model.vocab * model.hidden
     dequant = 0.0
     if st.method == "qlora":
-        dequant = sum(lin.in_features * lin.out_features for lin in model.linears) * L * (3.0 if gc else 2.0)
+        # every copy: transformers' mixtures call each expert per forward (all are reached at b·s ≫ experts)
+        dequant = sum(lin.in_features * lin.out_features * lin.count for lin in model.linears) * L * (
+            3.0 if gc else 2.0)
     # forward + backward at the measured rate, + the forward again under checkpointing at its measured share
     attn_fb = 12.0 * b * s * s * model.q_dim * L
     if st.attention == "eager" and sp.eager_bmm:  # its products + the work on the b·H·s² scores, measured apart
