@@ -315,3 +315,31 @@ def test_adamw_per_parameter_by_tensor_size():
     assert sp.adam_seconds_per_param(1 << 19) == pytest.approx(5e-9)  # log-midway between 128k and 2M
     assert sp.adam_seconds_per_param(1 << 24) == pytest.approx(6e-9)  # large ones: clamped
     assert sp.adam_seconds_per_param(10) == pytest.approx(4e-9)
+
+
+def test_page_faults_of_tensors_above_the_mmap_threshold(monkeypatch):
+    from memfit.estimate.faults import fresh_bytes, mmap_threshold
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert mmap_threshold() == 32 << 20  # glibc's dynamic threshold settles at its 64-bit ceiling
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert mmap_threshold() == 65536
+    # eager, b=1, H=8, s=1024, fp32: 32 MiB score matrices; per layer 4 forward (matmul, scale, mask add,
+    # fp32 softmax) + 3 gradients, + the 4 forward ones again under checkpointing; logits 1024 x 2048 x 4 B
+    # (8 MiB) and the MLP's 1024 x 688 x 4 B stay under 32 MiB
+    args = dict(b=1, s=1024, heads=8, vocab=2048, ff=688, layers=4, e=4.0, eager=True, chunked_loss=False,
+                threshold=32 << 20)
+    assert fresh_bytes(gc=False, **args) == 4 * 7 * (32 << 20)
+    assert fresh_bytes(gc=True, **args) == 4 * 11 * (32 << 20)
+    assert fresh_bytes(gc=False, **{**args, "eager": False}) == 0.0
+    # the time model adds them at the measured first-touch cost, on CPU pools only
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1024")  # TINY's 8-token tensors: every 100-wide logits row counts
+    st = Strategy(**{**BASE, "precision": "fp32"})
+    plain = estimate(TINY, cpu_pool(), st).time
+    bw = {"1": 1e10, "2": 1e10, "first_touch_s_per_byte": 1e-9}
+    touched = estimate(TINY, cpu_pool(bandwidth=bw), st).time
+    logits = 8 * 100 * 4  # 3,200 B >= 1,024: the head output and its gradient (e = 4) + 3 fp32 ones
+    mlp = 8 * 128 * 4  # 4,096 B: 8 per layer
+    assert touched["memory_bound_seconds"] - plain["memory_bound_seconds"] == pytest.approx(
+        (5 * logits + 2 * 8 * mlp) * 1e-9)

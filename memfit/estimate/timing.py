@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from memfit.estimate.constants import Profile
+from memfit.estimate.faults import fresh_bytes, mmap_threshold
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
@@ -241,11 +242,16 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
             scores * e) * (1.0 + (sp.eager_scores_forward_share if gc else 0.0))
     else:
         attn_s = attn_fb / sp.attention_rate(s) * (1.0 + (sp.attention_forward_share if gc else 0.0))
-    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant
+    faults = 0.0
+    if sp.first_touch:  # CPU: tensors above glibc's mmap threshold are new pages each time (memfit.estimate.faults)
+        faults = sp.first_touch * fresh_bytes(b, s, model.heads, model.vocab, model.intermediate, L, e,
+                                              st.attention == "eager", gc, getattr(st, "loss", "") == "chunked",
+                                              mmap_threshold())
+    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant + faults
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
-            "memory_bound_seconds": mem / sp.bandwidth, "dequant_seconds": dequant / sp.dequant,
+            "memory_bound_seconds": mem / sp.bandwidth + faults, "dequant_seconds": dequant / sp.dequant,
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
 
 

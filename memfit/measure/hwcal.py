@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX
 from memfit.spec import hwprofile
 
 Progress = Optional[Callable[[str], None]]
@@ -116,7 +117,7 @@ def _eager_attention(q, k, v, mask):
     return torch.matmul(probs, v)
 
 
-def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict]:
+def attention_rates(device: str, dtypes: list[str], timer: _Timer, first_touch: float = 0.0) -> dict[str, dict]:
     """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches)."""
     b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
     out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
@@ -139,12 +140,12 @@ def attention_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, 
                 out[kind][name][str(s)] = flops / both
                 if s == lengths[-1]:  # what checkpointing's recomputation adds: the forward's share of the step
                     shares.setdefault(kind, []).append(min(1.0, timer(fn, reps=3) / both))
-    out["eager_parts"] = {name: eager_parts(device, name, timer) for name in dtypes}
+    out["eager_parts"] = {name: eager_parts(device, name, timer, first_touch) for name in dtypes}
     out["forward_share"] = {kind: sorted(v)[len(v) // 2] for kind, v in shares.items()}
     return out
 
 
-def eager_parts(device: str, dtype: str, timer: _Timer) -> dict:
+def eager_parts(device: str, dtype: str, timer: _Timer, first_touch: float = 0.0) -> dict:
     """transformers' eager attention in its two parts, forward + backward:
 
     * ``bmm`` — FLOP/s of its two batched products (q·kᵀ, p·v: 12·b·H·s²·d with their gradients);
@@ -177,7 +178,11 @@ def eager_parts(device: str, dtype: str, timer: _Timer) -> dict:
             forward().backward(gs)
             x.grad = None
         t = timer(both, reps=3)
-        out["scores"][str(b * h * s * s * size)] = t / (b * h * s * s)
+        nbytes = b * h * s * s * size
+        # the page faults of its five new matrices (scale, mask add, softmax; two gradients) when they are
+        # above glibc's mmap threshold: counted apart by the time model (memfit.estimate.faults)
+        faults = first_touch * nbytes * 5 if nbytes >= GLIBC_MMAP_THRESHOLD_MAX else 0.0
+        out["scores"][str(nbytes)] = max(t - faults, 0.5 * t) / (b * h * s * s)
         shares.append(min(1.0, timer(forward, reps=3) / t))
     out["scores_forward_share"] = sorted(shares)[len(shares) // 2]
     return out
@@ -192,6 +197,19 @@ def bandwidth_rate(device: str, timer: _Timer) -> float:
         for _ in range(4):
             torch.add(a, b, out=c)
     return 4 * 3 * 4.0 * n / timer(step)
+
+
+def first_touch_seconds_per_byte(timer: _Timer) -> float:
+    """CPU: seconds per byte a fresh 64 MB tensor costs over writing one that exists — glibc serves it
+    with mmap (above its 32 MiB threshold ceiling), the kernel maps and zeroes each page on first touch
+    (memfit.estimate.faults)."""
+    n = 16 << 20  # 64 MB of fp32
+    kept = torch.empty(n)
+
+    def fresh() -> None:
+        torch.empty(n).fill_(1.0)
+    t = timer.interleaved({"fresh": fresh, "kept": lambda: kept.fill_(1.0)}, rounds=5)
+    return max(0.0, t["fresh"] - t["kept"]) / (4.0 * n)
 
 
 def op_seconds(device: str, timer: _Timer) -> float:
@@ -318,14 +336,17 @@ def collective_rates(world: int, backend: str) -> Optional[dict[str, float]]:
 
 def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
     out: dict = {"gemm": {}, "attention": {}, "bandwidth": {}, "optimizer": {}}
+    touch = 0.0
     for t in sorted({1, cores}):
         torch.set_num_threads(t)
         timer = _Timer("cpu", one_thread=t == 1)
         key = str(t)
         say(f"GEMM, {t} thread(s)")
         out["gemm"][key] = gemm_rates("cpu", ["fp32", "bf16"] if t == 1 else ["fp32"], timer)
+        if t == 1:
+            out["bandwidth"]["first_touch_s_per_byte"] = touch = first_touch_seconds_per_byte(timer)
         say(f"attention eager/SDPA, {t} thread(s)")
-        out["attention"][key] = attention_rates("cpu", ["fp32"], timer)
+        out["attention"][key] = attention_rates("cpu", ["fp32"], timer, touch)
         say(f"bandwidth and AdamW, {t} thread(s)")
         out["bandwidth"][key] = bandwidth_rate("cpu", timer)
         out["optimizer"][key] = adamw_seconds("cpu", timer)
@@ -338,7 +359,7 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
             # the one-thread rates again, some seconds later: a shared machine's speed drifts between
             # moments (±20-30 % here); the geometric mean of two passes halves what one moment weighs
             say("GEMM, attention and bandwidth again, 1 thread")
-            again = {"gemm": gemm_rates("cpu", ["fp32"], timer), "attention": attention_rates("cpu", ["fp32"], timer),
+            again = {"gemm": gemm_rates("cpu", ["fp32"], timer), "attention": attention_rates("cpu", ["fp32"], timer, touch),
                      "bandwidth": bandwidth_rate("cpu", timer)}
             for part in again:
                 out[part][key] = _mean_rates(out[part][key], again[part])

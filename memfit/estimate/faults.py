@@ -1,0 +1,48 @@
+"""First-touch page faults on a CPU: what a training step pays for tensors above glibc's mmap threshold.
+
+glibc's malloc (malloc/malloc.c) serves a request of at least ``mmap_threshold`` bytes with a fresh
+``mmap`` and returns it with ``munmap`` when freed; the threshold starts at 128 kB and rises with the
+chunks freed, up to ``DEFAULT_MMAP_THRESHOLD_MAX`` = 4 MiB x sizeof(long) = 32 MiB on 64-bit, unless
+``MALLOC_MMAP_THRESHOLD_`` fixes it. PyTorch's CPU allocator calls malloc directly (no caching), so every
+such tensor is new memory: the kernel maps and zeroes each page on its first touch. Measured on this
+project's 2-core VM: eager attention at s = 1024 (33.5 MB scores) spent ~35 % of its step there
+(1,482 vs 954 ms with the threshold raised above the scores; docs/time.md).
+
+Which tensors: the b·H·s² score matrices of eager attention (its matmul, scale, mask add and fp32 softmax
+outputs in the forward, three gradients in the backward), the b·s·V logits around the loss (the head's
+output, its fp32 upcast, log-softmax, and their gradients) and the b·s·f MLP intermediates (gate, up, the
+activation and product, and their gradients); the forward ones again under checkpointing. Smaller
+tensors come from the heap, whose pages stay mapped.
+"""
+
+from __future__ import annotations
+
+import os
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # 64-bit glibc: 4 MiB x sizeof(long)
+
+
+def mmap_threshold() -> float:
+    """The threshold this process's malloc uses: ``MALLOC_MMAP_THRESHOLD_`` if set, else glibc's
+    dynamic one, which settles at its 32 MiB ceiling once tensors of that size have been freed."""
+    env = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return float(env) if env.isdigit() else float(GLIBC_MMAP_THRESHOLD_MAX)
+
+
+def fresh_bytes(b: int, s: int, heads: int, vocab: int, ff: float, layers: int, e: float, eager: bool,
+                gc: bool, chunked_loss: bool, threshold: float) -> float:
+    """Bytes of tensors at or above ``threshold`` one micro-batch allocates (forward + backward)."""
+    redo = 1.0 if gc else 0.0
+
+    def big(nbytes: float, count: float) -> float:
+        return nbytes * count if nbytes >= threshold else 0.0
+    out = 0.0
+    if eager:
+        scores = float(b) * heads * s * s
+        out += layers * (big(scores * e, 3.0 * (1 + redo)) + big(scores * 4.0, 1.0 + redo) + big(scores * e, 3.0))
+    if not chunked_loss:
+        logits = float(b) * s * vocab
+        out += big(logits * e, 2.0) + big(logits * 4.0, 3.0)
+    mlp = float(b) * s * ff * e
+    out += layers * big(mlp, 4.0 * (1 + redo) + 4.0)
+    return out
