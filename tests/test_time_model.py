@@ -343,3 +343,14 @@ def test_page_faults_of_tensors_above_the_mmap_threshold(monkeypatch):
     mlp = 8 * 128 * 4  # 4,096 B: 8 per layer
     assert touched["memory_bound_seconds"] - plain["memory_bound_seconds"] == pytest.approx(
         (5 * logits + 2 * 8 * mlp) * 1e-9)
+
+
+def test_deepspeed_zero12_all_reduce_calls_per_bucket_or_parameter():
+    from memfit.estimate.timing import collective_calls
+
+    # 39 tensors, 3.4M parameters, reduce bucket h² = 65,536 elements: one all-reduce per parameter
+    # (min(39, 52)) per micro-batch under ZeRO-2, + the parameters' all-gather at the step
+    assert collective_calls("zero2", 4, 1e7, 2, False, tensors=39, p_t=3.4e6, reduce_bucket=65_536) == 2 * 39 + 1
+    assert collective_calls("zero1", 4, 1e7, 2, False, tensors=39, p_t=3.4e6, reduce_bucket=65_536) == 39 + 1
+    # many small tensors and a large bucket: one per bucket
+    assert collective_calls("zero2", 4, 1e7, 1, False, tensors=500, p_t=3.4e6, reduce_bucket=1e6) == 4 + 1
