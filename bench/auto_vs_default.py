@@ -54,7 +54,8 @@ def _common(steps: int) -> list[str]:
     sets = {"training.max_steps": steps, "training.checkpoint_interval": 0, "training.eval_interval": 0,
             "training.logging_interval": 1, "data.eval_fraction": 0.0, "data.format": "text",
             "data.packing": "false", "strategy.precision": "fp32"}
-    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    # --overwrite: the bench's own run folders under --work from an earlier run are replaced
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")] + ["--overwrite"]
 
 
 def _train_strategy(name: str, strategy: dict, args, model: Path, data: Path) -> dict:
