@@ -354,3 +354,23 @@ def test_deepspeed_zero12_all_reduce_calls_per_bucket_or_parameter():
     assert collective_calls("zero1", 4, 1e7, 2, False, tensors=39, p_t=3.4e6, reduce_bucket=65_536) == 39 + 1
     # many small tensors and a large bucket: one per bucket
     assert collective_calls("zero2", 4, 1e7, 1, False, tensors=500, p_t=3.4e6, reduce_bucket=1e6) == 4 + 1
+
+
+def test_qlora_fp32_stream_moves_4_byte_values_and_casts_around_each_linear4bit():
+    from memfit.estimate.timing import elementwise_bytes, kbit_cast_bytes
+
+    # TINY's linears: sum (in + out) = 128 + 96 + 96 + 128 + 192 + 192 + 192 = 1,024 values; bf16: 6 B each
+    assert kbit_cast_bytes(TINY, 2.0) == 6 * 1024
+    prof = Profile(kernel_launch_seconds=0.0, trainer_step_ops=0.0)
+    hw = parse_hardware("A100-80GB")
+    st = Strategy(**{**BASE, "method": "qlora", "lora_dropout": 0.0})
+    q = estimate(TINY, hw, st, profile=prof).time
+    lo = estimate(TINY, hw, st.model_copy(update={"method": "lora"}), profile=prof).time
+    bw = 2039e9 * prof.memory_bandwidth_efficiency
+    # 8 tokens x 2 layers: the layer's elementwise work at 4 B instead of 2 (x3 with backward); the adapters'
+    # scale/add/gradient passes (7 n + 3 k values) at 4 B instead of 2 but their input no longer cast (fp32
+    # already: 2 x (2 + 4) B per input value); + the Linear4bit casts both ways. Adapted: sum k = 512, sum n = 512
+    lora = 2 * (7 * 512 + 3 * 512) - 2 * 6 * 512
+    extra = 8 * 2 * (3 * (elementwise_bytes(TINY, 4.0) - elementwise_bytes(TINY, 2.0)) + lora
+                     + 2 * kbit_cast_bytes(TINY, 2.0))
+    assert q["memory_bound_seconds"] - lo["memory_bound_seconds"] == pytest.approx(extra / bw)

@@ -203,9 +203,20 @@ def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[floa
     return hit[1]
 
 
+def kbit_cast_bytes(model: ModelSpec, e: float) -> float:
+    """Bytes per token and layer, forward, of bitsandbytes' casts around every ``Linear4bit`` of a model
+    prepared by ``prepare_model_for_kbit_training`` (fp32 residual stream): its input to the compute dtype
+    and its output back to the input's fp32 (bitsandbytes/nn/modules.py ``Linear4bit.forward``): (4 + e)
+    per input and per output value; the backward casts the gradients the same way."""
+    return sum((4.0 + e) * (x.in_features + x.out_features) * x.active * x.count for x in model.linears)
+
+
 def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, adapted: frozenset,
-                meft_rows: float, router: float = 0.0) -> dict[str, float]:
-    """Seconds and FLOPs of one micro-batch's forward + backward (+ recomputation) on one process."""
+                meft_rows: float, router: float = 0.0, fp32_stream: bool = False) -> dict[str, float]:
+    """Seconds and FLOPs of one micro-batch's forward + backward (+ recomputation) on one process.
+    ``fp32_stream``: QLoRA after ``prepare_model_for_kbit_training`` — fp32 embeddings and norms make the
+    residual stream and every Linear4bit output fp32 (memory side: memfit.estimate.activations), so the
+    memory-bound work moves 4-byte values, plus the casts around each Linear4bit."""
     s, b, gc = st.seq_len, st.micro_batch_size, st.gradient_checkpointing
     T, L, r = float(b) * s, model.layers, st.lora_r
     passes = (3.0 if full else 2.0) + (1.0 if gc else 0.0)
@@ -228,9 +239,12 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
-    lora_bytes = sum(w * lora_elementwise_bytes(k, n, e, st.lora_dropout > 0, st.precision != "fp32", gc)
+    se = 4.0 if fp32_stream else e  # the values the layer's elementwise work moves
+    lora_bytes = sum(w * lora_elementwise_bytes(k, n, se, st.lora_dropout > 0, se != 4.0, gc)
                      for k, n, w in _adapted_shapes(model, adapted))
-    mem = T * L * (_elementwise(model, e) * fwd + lora_bytes)
+    mem = T * L * (_elementwise(model, se) * fwd + lora_bytes)
+    if fp32_stream and e != 4.0:  # forward, backward (the gradients' casts), recomputation
+        mem += T * L * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
     # loss: upcast, log-softmax, gather, its gradient, cast (the chunked loss's in-forward softmax − one-hot
     # makes the same passes over each chunk)
@@ -278,7 +292,7 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
-              meft_rows: float = 0.0, meft_traffic: Any = None) -> dict[str, Any]:
+              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
     prec, method, ga = st.precision, st.method, st.grad_accum
@@ -286,7 +300,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
     mb = micro_batch(model, sp, st, e, method == "full", adapted,  # adapted: empty unless LoRA-style (the registry)
-                     meft_rows, p_t if method == "meft" else 0.0)
+                     meft_rows, p_t if method == "meft" else 0.0, fp32_stream)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
     tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
