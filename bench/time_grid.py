@@ -194,6 +194,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps after the warm-up (the first is profiled)")
     ap.add_argument("--passes", type=int, default=2, choices=(1, 2),
                     help="measure every configuration this many times, minutes apart (the lower median is kept)")
+    ap.add_argument("--current-profile", action="store_true",
+                    help="with --reuse: predict with this machine's cached profile, not the one saved with the run")
     ap.add_argument("--cached-profile", action="store_true",
                     help="use the cached hardware profile instead of calibrating again before measuring")
     ap.add_argument("--only", type=str, default=None, help="comma-separated cell numbers to (re)measure")
@@ -208,6 +210,8 @@ def main() -> int:
         rates, _ = ensure_hardware_profile(force=not args.cached_profile,
                                            progress=lambda line: print(f"  calibrating {line}", file=sys.stderr))
         print(f"calibration took {rates.took_seconds:.1f} s", file=sys.stderr)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.json").write_text(json.dumps(rates.to_dict(), indent=1))
         t0 = time.time()
         print(f"load before: {os.getloadavg()}", file=sys.stderr)
         if args.only:
@@ -220,7 +224,23 @@ def main() -> int:
             for _ in range(args.passes - 1):  # again, minutes later: the lower median of the two is kept
                 measure_cells(cells, models, args.out / "pass2", args.steps)
         print(f"measured in {time.time() - t0:.0f} s; load after: {os.getloadavg()}", file=sys.stderr)
+    if (args.out / "profile.json").is_file() and not args.current_profile:
+        use_saved_profile(args.out / "profile.json")
     return report(args.out, models)
+
+
+def use_saved_profile(path: Path) -> None:
+    """Predict with the profile calibrated in the measurements' window (saved beside them), not with
+    whatever this machine's cache holds now: a fresh cache folder holding only that file."""
+    import tempfile
+
+    from memfit.spec import hwprofile
+
+    rates = hwprofile.HardwareRates.from_dict(json.loads(path.read_text()))
+    cache = Path(tempfile.mkdtemp(prefix="memfit-time-grid-cache-"))
+    os.environ["MEMFIT_CACHE"] = str(cache)
+    hwprofile.save(rates, hwprofile.profile_path(rates.fingerprint))
+    print(f"predicting with the profile of the run ({path}, measured {rates.measured_at})", file=sys.stderr)
 
 
 if __name__ == "__main__":
