@@ -80,15 +80,16 @@ class _Timer:
 
 def _gemm_shapes(device: str) -> dict[str, tuple[int, int, int]]:
     """class -> (m tokens, k in, n out). The time model interpolates in log(sqrt(k·n)) through the
-    small, medium and large widths; skinny is LoRA's down-projection (n = rank 16)."""
+    small, medium and large widths; skinny is the mean rate of LoRA's two rank-16 products
+    (x·A: k -> 16, then B: 16 -> n)."""
     if device == "cuda":
         return {"small": (4096, 512, 512), "medium": (8192, 1536, 1536), "large": (8192, 4096, 4096),
-                "skinny": (8192, 4096, 16)}
+                "skinny": (8192, 4096, 16), "skinny_b": (8192, 16, 4096)}
     # CPU: the rows of a typical micro-batch (b·s ~ 1024 tokens) at each width. Not more rows at the small
     # width: 2048 x 128 fp32 (1 MB per operand) leaves the 1 MB L2 and read 37-53 GFLOP/s where the training
     # step's 1024 x 128 linears ran at 60-63 (this machine, /work/scratch/gemm.py in the session log).
     return {"small": (1024, 128, 128), "medium": (1024, 384, 384), "large": (512, 1024, 1024),
-            "skinny": (1024, 256, 16)}
+            "skinny": (1024, 256, 16), "skinny_b": (1024, 16, 256)}
 
 
 def gemm_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[str, float]]:
@@ -107,7 +108,10 @@ def gemm_rates(device: str, dtypes: list[str], timer: _Timer) -> dict[str, dict[
                 F.linear(x, w).backward(g)
                 x.grad = w.grad = None
             out[name][cls] = 6.0 * m * k * n / timer(step)
-        out[name]["widths"] = {c: (k * n) ** 0.5 for c, (m, k, n) in _gemm_shapes(device).items() if c != "skinny"}
+        # LoRA runs both products: x·A (k -> r) and (x·A)·B (r -> n, ~10-20 % slower here): their mean rate
+        out[name]["skinny"] = 2.0 / (1.0 / out[name]["skinny"] + 1.0 / out[name].pop("skinny_b"))
+        out[name]["widths"] = {c: (k * n) ** 0.5 for c, (m, k, n) in _gemm_shapes(device).items()
+                               if not c.startswith("skinny")}
     return out
 
 
