@@ -374,3 +374,15 @@ def test_qlora_fp32_stream_moves_4_byte_values_and_casts_around_each_linear4bit(
     extra = 8 * 2 * (3 * (elementwise_bytes(TINY, 4.0) - elementwise_bytes(TINY, 2.0)) + lora
                      + 2 * kbit_cast_bytes(TINY, 2.0))
     assert q["memory_bound_seconds"] - lo["memory_bound_seconds"] == pytest.approx(extra / bw)
+
+
+def test_qlora_pays_each_linear4bit_calls_own_cost(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "method": "qlora", "precision": "fp32"})
+    plain = estimate(TINY, cpu_pool(), st).time
+    called = estimate(TINY, cpu_pool(dequant={"nf4": None, "nf4_call_s": 5e-4}), st).time
+    # 7 Linear4bit per layer x 2 layers x 0.5 ms (forward + input gradient); x1.5 under checkpointing
+    assert called["dequant_seconds"] - plain["dequant_seconds"] == pytest.approx(14 * 5e-4)
+    gc = st.model_copy(update={"gradient_checkpointing": True})
+    assert (estimate(TINY, cpu_pool(dequant={"nf4": None, "nf4_call_s": 5e-4}), gc).time["dequant_seconds"]
+            - estimate(TINY, cpu_pool(), gc).time["dequant_seconds"]) == pytest.approx(1.5 * 14 * 5e-4)

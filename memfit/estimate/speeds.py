@@ -65,6 +65,7 @@ class Speeds:
     attention_forward_share: float = 1.0 / 3.0  # the forward's share of attention's forward + backward time
     # (recomputed under checkpointing): measured where calibrated (this CPU: SDPA 0.25, eager 0.37-0.53 as its
     # scores grow), else the FLOP share (forward 4·b·H·s²·d of 12)
+    dequant_call: float = 0.0  # seconds per Linear4bit forward + input gradient beyond its work (measured)
     first_touch: float = 0.0  # CPU: seconds per byte of a fresh (mmapped) tensor's first touch; 0 = not counted
     bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
@@ -201,6 +202,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
         attention_forward_share=float((a_all.get("forward_share") or {}).get(
             "eager" if attention == "eager" else "sdpa", cat.attention_forward_share)),
+        dequant_call=float((rates.dequant or {}).get("nf4_call_s") or 0.0) / (share if cpu else 1.0),
         first_touch=float((rates.bandwidth or {}).get("first_touch_s_per_byte") or 0.0) / share if cpu else 0.0,
         bus_by_op=tuple((op, float(coll[op]["bus_bytes_per_s"])) for op in ("all_gather", "reduce_scatter")
                         if isinstance((coll or {}).get(op), dict)),

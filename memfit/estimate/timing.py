@@ -271,11 +271,14 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         faults = sp.first_touch * fresh_bytes(b, s, model.heads, model.vocab, model.intermediate, L, e,
                                               st.attention == "eager", gc, getattr(st, "loss", "") == "chunked",
                                               mmap_threshold())
-    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant / sp.dequant + faults
+    dequant_s = dequant / sp.dequant
+    if st.method == "qlora":  # + each Linear4bit call's own cost (forward + input gradient; the forward again)
+        dequant_s += sp.dequant_call * L * sum(lin.count for lin in model.linears) * (1.5 if gc else 1.0)
+    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
-            "memory_bound_seconds": mem / sp.bandwidth + faults, "dequant_seconds": dequant / sp.dequant,
+            "memory_bound_seconds": mem / sp.bandwidth + faults, "dequant_seconds": dequant_s,
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
 
 

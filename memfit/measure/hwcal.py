@@ -289,6 +289,33 @@ def nf4_dequant_rate(device: str, timer: _Timer) -> Optional[float]:
         return None
 
 
+def nf4_linear_call_seconds(device: str, timer: _Timer) -> Optional[float]:
+    """bitsandbytes ``Linear4bit`` forward + input gradient at a width where the work is small, less the same
+    dense frozen linear: the per-call cost of its Python, quant-state handling and dequantised copy (CPU here:
+    ~0.5 ms, whatever the width up to 256). None where bitsandbytes cannot run here."""
+    try:
+        import bitsandbytes as bnb
+
+        dt = torch.float32 if device == "cpu" else torch.bfloat16
+        dense = torch.nn.Linear(256, 256, bias=False, device=device, dtype=dt).requires_grad_(False)
+        lin = bnb.nn.Linear4bit(256, 256, bias=False, compute_dtype=dt, quant_type="nf4")
+        lin.weight = bnb.nn.Params4bit(dense.weight.data.to("cpu", torch.float32).clone(), requires_grad=False,
+                                       quant_type="nf4")
+        lin = lin.to(device)
+        x = torch.randn(64, 256, device=device, dtype=dt, requires_grad=True)
+        g = torch.randn(64, 256, device=device, dtype=dt)
+
+        def run(layer: torch.nn.Module) -> Callable[[], None]:
+            def step() -> None:
+                layer(x).backward(g)
+                x.grad = None
+            return step
+        t = timer.interleaved({"nf4": run(lin), "dense": run(dense)}, rounds=7)
+        return max(0.0, t["nf4"] - t["dense"])
+    except Exception:  # no bitsandbytes, or no kernel for this device
+        return None
+
+
 def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> None:
     import torch.distributed as dist
 
@@ -359,7 +386,8 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
             say("dispatch of transformers' Llama layers and PEFT adapters")
             out["overheads"] = model_overheads("cpu", timer)
             say("NF4 dequantisation")
-            out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer)}
+            out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer),
+                              "nf4_call_s": nf4_linear_call_seconds("cpu", timer)}
             # the one-thread rates again, some seconds later: a shared machine's speed drifts between
             # moments (±20-30 % here); the geometric mean of two passes halves what one moment weighs
             say("GEMM, attention and bandwidth again, 1 thread")
@@ -389,7 +417,8 @@ def _cuda_part(say: Callable[[str], None]) -> dict:
     say("bandwidth, AdamW, copies, NF4 on the GPU")
     out = {"gemm": gemm, "attention": attention, "bandwidth": {"device": bandwidth_rate("cuda", timer)},
            "optimizer": {"device": adamw_seconds("cuda", timer)}, "op_seconds": op_seconds("cuda", timer),
-           "copies": copy_rates(timer), "dequant": {"nf4": nf4_dequant_rate("cuda", timer)},
+           "copies": copy_rates(timer),
+           "dequant": {"nf4": nf4_dequant_rate("cuda", timer), "nf4_call_s": nf4_linear_call_seconds("cuda", timer)},
            "overheads": model_overheads("cuda", timer)}
     torch.cuda.synchronize()
     return out
