@@ -386,3 +386,23 @@ def test_qlora_pays_each_linear4bit_calls_own_cost(monkeypatch):
     gc = st.model_copy(update={"gradient_checkpointing": True})
     assert (estimate(TINY, cpu_pool(dequant={"nf4": None, "nf4_call_s": 5e-4}), gc).time["dequant_seconds"]
             - estimate(TINY, cpu_pool(), gc).time["dequant_seconds"]) == pytest.approx(1.5 * 14 * 5e-4)
+
+
+def test_profile_is_the_median_of_the_kept_calibrations():
+    from memfit.spec.hwprofile import KEEP, with_history
+
+    def cal(small, day):
+        g = {"small": small, "large": 2 * small, "skinny": 1e9, "widths": {"small": 128.0, "large": 1024.0}}
+        return rates(gemm={"1": {"fp32": g}}, measured_at=day)
+    merged = None
+    for small, day in ((3e10, "2026-11-29"), (6e10, "2026-11-30"), (4.5e10, "2026-11-30")):
+        merged = with_history(cal(small, day), merged)
+    assert merged.gemm["1"]["fp32"]["small"] == 4.5e10 and merged.gemm["1"]["fp32"]["large"] == 9e10
+    assert len(merged.history) == 3 and merged.basis == "measured on this machine 2026-11-30, median of 3 calibrations"
+    for _ in range(KEEP):  # only the last KEEP are kept: the early slow one drops out
+        merged = with_history(cal(6e10, "2026-12-01"), merged)
+    assert len(merged.history) == KEEP and merged.gemm["1"]["fp32"]["small"] == 6e10
+    # a file written before the history existed counts as one calibration
+    assert len(with_history(cal(1e10, "2026-12-02"), cal(3e10, "2026-12-01")).history) == 2
+    # the merged profile survives its own file format
+    assert hwprofile.HardwareRates.from_dict(json.loads(json.dumps(merged.to_dict()))) == merged

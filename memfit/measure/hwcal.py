@@ -472,15 +472,14 @@ def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -
 
 def ensure_hardware_profile(force: bool = False, progress: Progress = None) -> tuple[hwprofile.HardwareRates, bool]:
     """(rates, measured now): the cached profile of this machine, measured and saved when absent, ignored
-    (corrupt / foreign) or ``force``."""
+    (corrupt / foreign) or ``force``; a new calibration joins the kept ones (the profile is their median)."""
     from memfit.spec.hardware import local_fingerprint
 
     fp = local_fingerprint()
-    if not force:
-        rates, _ = hwprofile.load_cached(fp)
-        if rates is not None:
-            return rates, False
-    rates = calibrate_hardware(progress)
+    cached, _ = hwprofile.load_cached(fp)
+    if cached is not None and not force:
+        return cached, False
+    rates = hwprofile.with_history(calibrate_hardware(progress), cached)  # median with the last calibrations
     hwprofile.save(rates)
     return rates, True
 

@@ -88,10 +88,13 @@ class HardwareRates:
     # "adapter" (per PEFT LoRA linear), "eager_layer_extra"
     fingerprint: str = ""
     took_seconds: float = 0.0
+    # the last calibrations' own figures (newest last); the fields above are their per-figure median
+    history: list = field(default_factory=list)
 
     @property
     def basis(self) -> str:
-        return f"measured on this machine {self.measured_at}"
+        n = len(self.history)
+        return f"measured on this machine {self.measured_at}" + (f", median of {n} calibrations" if n > 1 else "")
 
     def threads_key(self, threads: int) -> str:
         keys = sorted((int(k) for k in self.gemm if k.isdigit()), key=int)
@@ -145,3 +148,36 @@ def save(rates: HardwareRates, path: Optional[Path] = None) -> Path:
     tmp.write_text(json.dumps(rates.to_dict(), indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
+
+
+MEASURED = ("gemm", "attention", "bandwidth", "op_seconds", "optimizer", "copies", "collectives", "dequant",
+            "overheads")
+KEEP = 5  # calibrations whose median the profile holds
+
+
+def median_of(values: list) -> Any:
+    """The per-figure median of several measurements of one table (nested dicts of numbers); a figure that
+    some lack is the median of those that have it; anything not a number is the newest's."""
+    if all(isinstance(v, dict) for v in values):
+        keys = [k for v in values for k in v]
+        return {k: median_of([v[k] for v in values if k in v]) for k in dict.fromkeys(keys)}
+    nums = sorted(v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool))
+    if nums and len(nums) == len(values):
+        mid = len(nums) // 2
+        return nums[mid] if len(nums) % 2 else (nums[mid - 1] + nums[mid]) / 2.0
+    return values[-1]
+
+
+def with_history(new: HardwareRates, previous: Optional[HardwareRates]) -> HardwareRates:
+    """``new`` merged with the calibrations kept in ``previous`` (same machine and schema): the figures are
+    the median of the last ``KEEP``. On a shared machine one calibration's speeds move by ±20-30 % with
+    its neighbours for tens of seconds at a time; the median of several, taken at different times, is what
+    a run lasting minutes meets (docs/time.md)."""
+    from dataclasses import asdict, replace
+
+    own = {k: asdict(new)[k] for k in MEASURED} | {"measured_at": new.measured_at, "took_seconds": new.took_seconds}
+    kept = list(previous.history) if previous is not None and previous.history else (
+        [{k: asdict(previous)[k] for k in MEASURED}] if previous is not None else [])
+    history = (kept + [own])[-KEEP:]
+    merged = {k: median_of([h[k] for h in history if k in h]) for k in MEASURED}
+    return replace(new, history=history, **merged)
