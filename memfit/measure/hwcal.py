@@ -388,11 +388,11 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
             say("NF4 dequantisation")
             out["dequant"] = {"nf4": nf4_dequant_rate("cpu", timer),
                               "nf4_call_s": nf4_linear_call_seconds("cpu", timer)}
-            # the one-thread rates again, some seconds later: a shared machine's speed drifts between
-            # moments (±20-30 % here); the geometric mean of two passes halves what one moment weighs
-            say("GEMM, attention and bandwidth again, 1 thread")
-            again = {"gemm": gemm_rates("cpu", ["fp32"], timer), "attention": attention_rates("cpu", ["fp32"], timer, touch),
-                     "bandwidth": bandwidth_rate("cpu", timer)}
+            # the one-thread GEMMs and bandwidth again, some seconds later: a shared machine's speed drifts
+            # between moments (±20-30 % here); the geometric mean of two passes halves what one moment weighs
+            # (and the profile is the median of the last calibrations: memfit.spec.hwprofile.with_history)
+            say("GEMM and bandwidth again, 1 thread")
+            again = {"gemm": gemm_rates("cpu", ["fp32"], timer), "bandwidth": bandwidth_rate("cpu", timer)}
             for part in again:
                 out[part][key] = _mean_rates(out[part][key], again[part])
     return out
