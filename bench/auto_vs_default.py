@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the trained processes run glibc's malloc as a user's `memfit train` does (the estimator's CPU heap term
-# describes that): not bench/time_grid.py's MALLOC_MMAP_THRESHOLD_, which importing it sets
+# describes that): not bench/time_grid.py's MALLOC_MMAP_THRESHOLD_ (its main sets it; kept out here too)
 _USER_MALLOC = os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 

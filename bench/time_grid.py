@@ -32,11 +32,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-# measured processes get MALLOC_MMAP_THRESHOLD_=65536 for tight RSS figures (memfit.measure.probe), which
-# makes every freed tensor over 64 kB an munmap and its next use page faults: not how training runs.
-# 32 MiB is glibc's own dynamic ceiling, what a long-running trainer settles at.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+
+
+def _measuring_environment() -> None:
+    """Set (in main only: importing this module changes nothing) one thread per process, and glibc's mmap
+    threshold for the measured processes: they would get MALLOC_MMAP_THRESHOLD_=65536 for tight RSS
+    figures (memfit.measure.probe), which makes every freed tensor over 64 kB an munmap and its next use
+    page fault: not how training runs. 32 MiB is glibc's own dynamic ceiling, what a trainer settles at."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
 
 SHAPES = {
     "llama": dict(arch="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -200,6 +204,7 @@ def main() -> int:
                     help="use the cached hardware profile instead of calibrating again before measuring")
     ap.add_argument("--only", type=str, default=None, help="comma-separated cell numbers to (re)measure")
     args = ap.parse_args()
+    _measuring_environment()
     models = build_models(args.models)
     cells = [CELLS[i] for i in QUICK] if args.quick else CELLS
     if not args.reuse:
