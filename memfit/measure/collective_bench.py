@@ -1,0 +1,60 @@
+"""Collectives for ``memfit calibrate --hardware``: all-reduce, all-gather and reduce-scatter (the tensor
+forms FSDP2 and DeepSpeed use) between forked gloo processes on a CPU, or the GPUs with NCCL: bus bandwidth
+and latency per primitive."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from memfit.measure.kernels import Timer
+
+
+def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    timer = Timer(device)
+    big = torch.ones((64 if device == "cuda" else 4) << 18, device=device)  # 1 MiB elements on CPU
+    small = torch.ones(256, device=device)
+
+    def reduce(t: torch.Tensor) -> Callable[[], None]:
+        return lambda: dist.all_reduce(t)
+    t_big, t_small = timer(reduce(big), reps=4), timer(reduce(small), reps=8)
+    # FSDP2 and DeepSpeed's parameter gathers use the tensor forms of all-gather / reduce-scatter
+    # (all_gather_single / reduce_scatter_single, all_gather_into_tensor): timed on their own
+    gathered, full = torch.empty(world * big.numel(), device=device), torch.ones(world * big.numel(), device=device)
+    small_out, small_in = torch.empty(world * small.numel(), device=device), torch.ones(world * small.numel(), device=device)
+    shard, small_shard = torch.empty_like(big), torch.empty_like(small)
+    ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=4) for o, i in ((gathered, big), (small_out, small))]
+    rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=4) for o, i in ((shard, full), (small_shard, small_in))]
+    if rank == 0:
+        wire = big.numel() * 4.0 * (world - 1) / world
+        conn.send({"backend": backend, "bus_bytes_per_s": 2.0 * wire / max(t_big - t_small, 1e-9), "latency_s": t_small,
+                   "all_gather": {"bus_bytes_per_s": world * wire / max(ag[0] - ag[1], 1e-9), "latency_s": ag[1]},
+                   "reduce_scatter": {"bus_bytes_per_s": world * wire / max(rs[0] - rs[1], 1e-9), "latency_s": rs[1]}})
+    dist.destroy_process_group()
+
+
+def collective_rates(world: int, backend: str) -> Optional[dict[str, float]]:
+    """All-reduce bus bandwidth and latency between ``world`` processes (gloo: forked from this one)."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
+    init = f"file://{tempfile.mktemp(prefix='memfit-hwcal-')}"
+    parent, child = ctx.Pipe()
+    procs = [ctx.Process(target=_collective_rank, args=(r, world, init, backend, child)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = parent.recv() if parent.poll(120) else None
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    return result
