@@ -76,18 +76,14 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/memfit-auto-vs-default"))
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     args = ap.parse_args()
-    from time_grid import build_models
+    from time_grid import build_models, text_data
 
-    from memfit.measure.worker import synthetic_text_records
     from memfit.plan.batch import plan_batch
     from memfit.spec.hardware import parse_hardware, parse_size
     from memfit.spec.model import resolve_model
 
     model = build_models(args.models)["llama"]
-    args.work.mkdir(parents=True, exist_ok=True)
-    data = args.work / "data.jsonl"
-    recs = synthetic_text_records(args.sequences * (args.steps + 2), args.seq_len, seed=1)
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = text_data(args.work / "data.jsonl", args.sequences * (args.steps + 2), args.seq_len)
     from memfit.measure.hwcal import ensure_hardware_profile
 
     ensure_hardware_profile()

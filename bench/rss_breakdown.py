@@ -87,15 +87,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/memfit-rss-breakdown"))
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     args = ap.parse_args()
-    from time_grid import build_models
-
-    from memfit.measure.worker import synthetic_text_records
+    from time_grid import build_models, text_data
 
     model = build_models(args.models)["llama"]
-    args.work.mkdir(parents=True, exist_ok=True)
-    data = args.work / "data.jsonl"
-    recs = synthetic_text_records(8 * (args.steps + 2), args.seq_len, seed=1)
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = text_data(args.work / "data.jsonl", 8 * (args.steps + 2), args.seq_len)
     mb = 1e6
     print(f"{'run':24s} {'est tens':>8s} {'est tot':>8s} {'peak RSS':>8s} {'err':>6s} {'file':>6s} {'anon':>6s} "
           f"{'anon@begin':>10s} {'heap used':>9s} {'heap free':>9s} {'mmapped':>8s}  (MB)")

@@ -97,6 +97,15 @@ def build_models(root: Path) -> dict[str, Path]:
     return out
 
 
+def text_data(path: Path, rows: int, seq_len: int) -> Path:
+    """A JSONL of ``rows`` synthetic text records of at least ``seq_len`` tokens (the benches' training data)."""
+    from memfit.measure.worker import synthetic_text_records
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_text_records(rows, seq_len, seed=1)))
+    return path
+
+
 def make_run(cell: dict, models: dict[str, Path]):
     from memfit.spec.run import run_from_dict
 

@@ -29,6 +29,18 @@ MEMORY_BANDWIDTH = {"V100-16GB": 900e9, "V100-32GB": 900e9, "T4-16GB": 320e9, "A
                     "H100-PCIe-80GB": 2000e9, "H200-141GB": 4800e9, "RTX3090-24GB": 936e9,
                     "RTX4090-24GB": 1008e9, "A5000-24GB": 768e9, "A6000-48GB": 768e9, "L40S-48GB": 864e9}
 UNCALIBRATED = "catalog peak x utilisation, uncalibrated"
+
+
+def log_interp(pts, x: float) -> float:
+    """The value at ``x`` on a curve of measured ``(x, value)`` points sorted by x: log-log interpolation
+    between the points around it, the end point's value outside them."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0) if x1 > x0 else 1.0
+            return math.exp((1 - f) * math.log(y0) + f * math.log(y1))
+    return pts[-1][1]
 CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel does (the lower triangle)
 
 
@@ -44,7 +56,7 @@ class Speeds:
     bandwidth: float  # bytes/s of memory-bound elementwise work
     op_seconds: float  # dispatch of one small op, forward + backward
     overlap_dispatch: bool  # GPUs: kernels run while the host dispatches (step = max of the two)
-    adam_per_param: float  # seconds per parameter of tensors of ``adam_sizes[1]`` values (large ones)
+    adam_per_param: float  # seconds per parameter of tensors of ``adam_size`` values (large ones)
     adam_per_tensor: float
     cpu_adam_per_param: float  # offloaded optimizer on the host
     bus_bandwidth: float  # collective bus bytes/s between the processes (ring)
@@ -89,39 +101,19 @@ class Speeds:
     def score_seconds(self, score_bytes: float) -> float:
         """Eager attention's seconds per score value (forward + backward) for a b·H·s² matrix of
         ``score_bytes``: log-interpolated in bytes between the calibrated sizes (clamped outside)."""
-        pts = self.eager_scores
-        x = min(max(score_bytes, pts[0][0]), pts[-1][0])
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if x <= b1:
-                f = math.log(x / b0) / math.log(b1 / b0) if b1 > b0 else 1.0
-                return math.exp((1 - f) * math.log(t0) + f * math.log(t1))
-        return pts[-1][1]
+        return log_interp(self.eager_scores, score_bytes)
 
     def attention_rate(self, seq: float) -> float:
         """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
-        pts = self.attention
-        if len(pts) == 1 or seq <= pts[0][0]:
-            return pts[0][1]
-        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
-            if seq <= s1:
-                f = math.log(seq / s0) / math.log(s1 / s0)
-                return math.exp((1 - f) * math.log(r0) + f * math.log(r1))
-        return pts[-1][1]
+        return log_interp(self.attention, seq)
 
     def gemm(self, k: float, n: float) -> float:
         """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
         if min(k, n) <= 64:
             return self.gemm_skinny
-        w = math.sqrt(k * n)
         pts = [(self.width_small, self.gemm_small), *([self.gemm_mid] if self.gemm_mid else []),
                (self.width_large, self.gemm_large)]
-        if w <= pts[0][0]:
-            return pts[0][1]
-        for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
-            if w <= w1:
-                f = math.log(w / w0) / math.log(w1 / w0) if w1 > w0 else 1.0
-                return math.exp((1 - f) * math.log(r0) + f * math.log(r1))
-        return pts[-1][1]
+        return log_interp(pts, math.sqrt(k * n))
 
 
 def threads_per_process(hw: HardwareSpec) -> int:

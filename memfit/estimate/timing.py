@@ -144,7 +144,7 @@ def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc
     adapter where calibrated, else op counts x the per-op cost."""
     L, redo = model.layers, 1.0 + (RECOMPUTE_DISPATCH if gc else 0.0)
     if sp.overheads is not None:
-        layer, rest, adapter, eager_extra, gc_extra = (*sp.overheads, None)[:5]
+        layer, rest, adapter, eager_extra, gc_extra = sp.overheads
         per_layer = layer + adapted * adapter + (eager_extra if eager else 0.0)
         if gc and gc_extra is not None:  # measured: torch.utils.checkpoint's own cost + the recomputed layer
             return L * (per_layer + gc_extra + RECOMPUTE_DISPATCH * adapted * adapter) + rest
@@ -208,7 +208,16 @@ def kbit_cast_bytes(model: ModelSpec, e: float) -> float:
     prepared by ``prepare_model_for_kbit_training`` (fp32 residual stream): its input to the compute dtype
     and its output back to the input's fp32 (bitsandbytes/nn/modules.py ``Linear4bit.forward``): (4 + e)
     per input and per output value; the backward casts the gradients the same way."""
-    return sum((4.0 + e) * (x.in_features + x.out_features) * x.active * x.count for x in model.linears)
+    return _per_model(("kbit", id(model), e), model, lambda: sum(
+        (4.0 + e) * (x.in_features + x.out_features) * x.active * x.count for x in model.linears))
+
+
+def _quantized_sums(model: ModelSpec) -> tuple[float, float]:
+    """(Σ k·n over every copy, Linear4bit modules) of one layer: what QLoRA dequantises per use and calls
+    (cached; transformers' mixtures call each expert per forward, all reached at b·s ≫ experts)."""
+    return _per_model(("nf4", id(model)), model, lambda: (
+        float(sum(x.in_features * x.out_features * x.count for x in model.linears)),
+        float(sum(x.count for x in model.linears))))
 
 
 def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, adapted: frozenset,
@@ -253,11 +262,10 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         mem += T * model.vocab * (4 * 4.0 + e)
     if full:  # the embedding's dense gradient: zeroed and scattered into
         mem += 2.0 * 4.0 * model.vocab * model.hidden
-    dequant = 0.0
-    if st.method == "qlora":
-        # every copy: transformers' mixtures call each expert per forward (all are reached at b·s ≫ experts)
-        dequant = sum(lin.in_features * lin.out_features * lin.count for lin in model.linears) * L * (
-            3.0 if gc else 2.0)
+    dequant = calls = 0.0
+    if st.method == "qlora":  # every copy dequantised per use (forward, input gradient, recomputation)
+        area, calls = _quantized_sums(model)
+        dequant = area * L * (3.0 if gc else 2.0)
     # forward + backward at the measured rate, + the forward again under checkpointing at its measured share
     attn_fb = 12.0 * b * s * s * model.q_dim * L
     if st.attention == "eager" and sp.eager_bmm:  # its products + the work on the b·H·s² scores, measured apart
@@ -271,9 +279,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         faults = sp.first_touch * fresh_bytes(b, s, model.heads, model.vocab, model.intermediate, L, e,
                                               st.attention == "eager", gc, getattr(st, "loss", "") == "chunked",
                                               mmap_threshold())
-    dequant_s = dequant / sp.dequant
-    if st.method == "qlora":  # + each Linear4bit call's own cost (forward + input gradient; the forward again)
-        dequant_s += sp.dequant_call * L * sum(lin.count for lin in model.linears) * (1.5 if gc else 1.0)
+    # + each Linear4bit call's own cost (forward + input gradient; the forward again under checkpointing)
+    dequant_s = dequant / sp.dequant + sp.dequant_call * L * calls * (1.5 if gc else 1.0)
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX
+from memfit.estimate.speeds import log_interp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,37 +111,37 @@ def gemm_rates(device: str, dtypes: list[str], timer: Timer) -> dict[str, dict[s
     return out
 
 
-def _eager_attention(q, k, v, mask):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
 def attention_rates(device: str, dtypes: list[str], timer: Timer, first_touch: float = 0.0) -> dict[str, dict]:
-    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches)."""
+    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches).
+    SDPA is timed there (and its forward alone: what checkpointing's recomputation adds); eager is timed
+    in its two parts (:func:`eager_parts`) and its curve at those lengths follows from them."""
     b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
     out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
-    shares: dict[str, list] = {}
+    shares = []
     for name in dtypes:
         dt = DTYPES[name]
-        for kind in ("eager", "sdpa"):
-            out[kind][name] = {}
+        out["sdpa"][name] = {}
         for s in lengths:
             q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-            mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
             g = torch.randn(b, h, s, d, device=device, dtype=dt)
-            flops = 12.0 * b * h * s * s * d
-            for kind, fn in (("eager", lambda: _eager_attention(q, k, v, mask)),
-                             ("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
-                def step(fn=fn) -> None:
-                    fn().backward(g)
-                    q.grad = k.grad = v.grad = None
-                both = timer(step, reps=3)
-                out[kind][name][str(s)] = flops / both
-                if s == lengths[-1]:  # what checkpointing's recomputation adds: the forward's share of the step
-                    shares.setdefault(kind, []).append(min(1.0, timer(fn, reps=3) / both))
+
+            def fn() -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def step() -> None:
+                fn().backward(g)
+                q.grad = k.grad = v.grad = None
+            both = timer(step, reps=3)
+            out["sdpa"][name][str(s)] = 12.0 * b * h * s * s * d / both
+            if s == lengths[-1]:
+                shares.append(min(1.0, timer(fn, reps=3) / both))
     out["eager_parts"] = {name: eager_parts(device, name, timer, first_touch) for name in dtypes}
-    out["forward_share"] = {kind: sorted(v)[len(v) // 2] for kind, v in shares.items()}
+    for name, parts in out["eager_parts"].items():
+        size = torch.tensor([], dtype=DTYPES[name]).element_size()
+        scores = sorted((float(k), t) for k, t in parts["scores"].items())
+        out["eager"][name] = {str(s): 12.0 * d / (12.0 * d / parts["bmm"] + log_interp(scores, b * h * s * s * size))
+                              for s in lengths}  # FLOP/s = 12·b·h·s²·d / (products + b·h·s² score values)
+    out["forward_share"] = {"sdpa": sorted(shares)[len(shares) // 2]}
     return out
 
 
