@@ -279,14 +279,45 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         faults = sp.first_touch * fresh_bytes(b, s, model.heads, model.vocab, model.intermediate, L, e,
                                               st.attention == "eager", gc, getattr(st, "loss", "") == "chunked",
                                               mmap_threshold())
-    # + each Linear4bit call's own cost (forward + input gradient; the forward again under checkpointing)
-    dequant_s = dequant / sp.dequant + sp.dequant_call * L * calls * (1.5 if gc else 1.0)
+    # + each Linear4bit call's own cost (forward + input gradient; the forward again under checkpointing):
+    # host work (bitsandbytes' Python and quant-state handling), so on a GPU it joins the dispatch
+    calls_s = sp.dequant_call * L * calls * (1.5 if gc else 1.0)
+    dequant_s = dequant / sp.dequant + (0.0 if sp.overlap_dispatch else calls_s)
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
+    dispatch += calls_s if sp.overlap_dispatch else 0.0
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
             "memory_bound_seconds": mem / sp.bandwidth + faults, "dequant_seconds": dequant_s,
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
+
+
+# torch.nn.utils.clip_grad_norm_ with foreach (CUDA; torch/nn/utils/clip_grad.py): group, _foreach_norm, stack
+# + vector_norm, clip coefficient, clamp, _foreach_mul_ -- a fixed handful of host ops, not two per tensor
+CLIP_FOREACH_OPS = 6.0
+
+
+def _optimizer_parts(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
+                     off_opt: bool) -> tuple[float, float]:
+    """(AdamW, clipping + accumulation upkeep) seconds after the micro-batches. CPU: one thread of work,
+    the parts add up. GPU: the Trainer's loss check after each micro-batch (``torch.isnan(tr_loss_step)``,
+    transformers trainer.py) syncs the host, then the host's per-tensor work (AdamW's foreach bookkeeping in
+    Python, clipping's few foreach ops) runs beside the device's sweeps over the parameters: the longer one
+    counts, reported in the optimizer part."""
+    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
+    # clipping (HF max_grad_norm) reads every local gradient for the norm and scales it in place;
+    # accumulation adds each later micro-batch's gradient into the kept one
+    grads_s = grads_local * 4.0 * 3.0 / sp.bandwidth
+    upkeep_dev = grads_s + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    adam_dev = adam_host = 0.0
+    if not off_opt:
+        mean_tensor = local / tensors if tensors else local
+        adam_dev, adam_host = local * sp.adam_seconds_per_param(mean_tensor), tensors * sp.adam_per_tensor
+    if not sp.overlap_dispatch:
+        upkeep = grads_s + 2.0 * tensors * sp.op_seconds
+        return adam_dev + adam_host, upkeep + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    host, dev = adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + upkeep_dev
+    return max(host, dev), 0.0
 
 
 def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
@@ -314,17 +345,10 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
     tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
-    optim_s = cpu_opt_s = 0.0
+    optim_s, upkeep = _optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
-    else:
-        mean_tensor = local / tensors if tensors else local
-        optim_s = local * sp.adam_seconds_per_param(mean_tensor) + tensors * sp.adam_per_tensor
-    # gradient clipping (HF max_grad_norm): read every local gradient for the norm, scale it in place;
-    # accumulation adds each later micro-batch's gradient into the kept one
-    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
-    upkeep = grads_local * 4.0 * 3.0 / sp.bandwidth + 2.0 * tensors * sp.op_seconds
-    upkeep += (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
     parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing) if n > 1 else {}
     cbytes = sum(parts.values())
     comm_s = 0.0

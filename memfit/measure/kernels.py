@@ -274,13 +274,20 @@ def copy_rates(timer: Timer) -> dict[str, float]:
 
 
 def nf4_dequant_rate(device: str, timer: Timer) -> Optional[float]:
-    """bitsandbytes NF4 dequantisation, elements/s (None where bitsandbytes cannot run here)."""
+    """bitsandbytes NF4 dequantisation, elements/s (None where bitsandbytes cannot run here). On CUDA the
+    slope between a 64M and a 128M-value matrix: one 1M-value call there is all launch (the H200 read
+    13 G values/s at 1024 x 1024, where the work streams at ~1e12), a cost ``nf4_call_s`` holds apart."""
     try:
         import bitsandbytes.functional as BF
 
-        w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
-        q, state = BF.quantize_4bit(w, quant_type="nf4")
-        return w.numel() / timer(lambda: BF.dequantize_4bit(q, state), reps=4)
+        def seconds(rows: int, cols: int) -> float:
+            w = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+            q, state = BF.quantize_4bit(w, quant_type="nf4")
+            return timer(lambda: BF.dequantize_4bit(q, state), reps=4)
+        if device != "cuda":
+            return 1024 * 1024 / seconds(1024, 1024)
+        small, big = seconds(8192, 8192), seconds(16384, 8192)
+        return 8192 * 8192 / max(big - small, 1e-9)
     except Exception:  # no bitsandbytes, or no kernel for this device
         return None
 
@@ -315,12 +322,14 @@ def nf4_linear_call_seconds(device: str, timer: Timer) -> Optional[float]:
 def model_overheads(device: str, timer: Timer) -> dict[str, float]:
     """Dispatch cost of transformers' own Llama code, forward + backward, at widths where compute is nil:
     per decoder layer (from 2 vs 4 layers), the rest of the model (embedding, mask, norm, head, loss),
-    per LoRA-adapted linear (PEFT) and eager attention's extra per layer."""
+    per LoRA-adapted linear (PEFT) and eager attention's extra per layer. On CUDA as memfit's trainer runs
+    there: a bf16 base under bf16 autocast (its casts are host work too), LoRA's adapters left fp32."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    cuda = device == "cuda"
     ids = torch.randint(0, 64, (1, 8), device=device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -329,7 +338,7 @@ def model_overheads(device: str, timer: Timer) -> dict[str, float]:
                           vocab_size=64, num_hidden_layers=layers, max_position_embeddings=64,
                           attn_implementation=attn)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(device)
+        model = LlamaForCausalLM(cfg).to(device, torch.bfloat16 if cuda else torch.float32)
         if gc:  # as memfit's methods enable it (memfit.methods.base.GC_KWARGS: non-reentrant)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:
@@ -338,7 +347,9 @@ def model_overheads(device: str, timer: Timer) -> dict[str, float]:
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
             for p in params:
                 p.grad = None
         return step
