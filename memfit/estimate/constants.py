@@ -42,7 +42,14 @@ class Profile:
     cpu_bandwidth: float = 10e9  # uncalibrated CPU pseudo-device: bytes/s of elementwise work (order of magnitude)
     cpu_op_seconds: float = 1.2e-5  # uncalibrated CPU: one small op forward + backward (this project's 2-core machine: 12 us, memfit calibrate --hardware)
     trainer_step_collectives: float = 4.0  # the HF Trainer's own collectives per optimizer step with several processes and logging every step (transformers 5.24 trainer.py: num_items_in_batch and num_input_tokens_seen gathers, the logged loss's nested_gather and store_flos; counted on a 2-rank gloo run: 37 calls in 9 steps)
-    trainer_step_ops: float = 600.0  # the HF Trainer's own work per optimizer step (loop, callbacks, scheduler, logging, clipping's Python), in small-op costs: memfit's trainer on a 2-layer h16 Llama took ~10 ms more per step than the bare loop on this machine, where one op costs ~16 us (docs/time.md)
+    # the HF Trainer's own loop, in small-op costs (bench/trainer_overhead.py: memfit's trainer against the bare loop on a
+    # width-16 Llama, 3 repetitions; 2026-12-01 on this machine, op 10.3-10.6 us): full fine-tuning 61 ops at 1 micro-batch,
+    # 138 at 4 and 52 with 6 layers instead of 2; LoRA 117 (4 adapters), 184 (14), 383 (42) and 478 (14, 4 micro-batches)
+    trainer_step_ops: float = 35.0  # per optimizer step: callbacks, accelerate's optimizer / scheduler wrappers, clipping's plumbing
+    trainer_micro_batch_ops: float = 26.0  # per micro-batch: training_step's Python, the loss check, the FLOP count (trainer.py floating_point_ops)
+    trainer_peft_ops: float = 30.0  # per optimizer step with a PEFT model (its wrappers)
+    trainer_adapter_step_ops: float = 1.7  # per adapted linear and optimizer step
+    trainer_adapter_micro_batch_ops: float = 5.2  # per adapted linear and micro-batch
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
     # ---- time: communication ------------------------------------------------------------------------
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)

@@ -25,6 +25,7 @@ from typing import Any
 
 from memfit.estimate.constants import Profile
 from memfit.estimate.faults import fresh_bytes, mmap_threshold
+from memfit.estimate.loop import optimizer_parts, trainer_loop_ops
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
@@ -292,34 +293,6 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
 
 
-# torch.nn.utils.clip_grad_norm_ with foreach (CUDA; torch/nn/utils/clip_grad.py): group, _foreach_norm, stack
-# + vector_norm, clip coefficient, clamp, _foreach_mul_ -- a fixed handful of host ops, not two per tensor
-CLIP_FOREACH_OPS = 6.0
-
-
-def _optimizer_parts(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
-                     off_opt: bool) -> tuple[float, float]:
-    """(AdamW, clipping + accumulation upkeep) seconds after the micro-batches. CPU: one thread of work,
-    the parts add up. GPU: the Trainer's loss check after each micro-batch (``torch.isnan(tr_loss_step)``,
-    transformers trainer.py) syncs the host, then the host's per-tensor work (AdamW's foreach bookkeeping in
-    Python, clipping's few foreach ops) runs beside the device's sweeps over the parameters: the longer one
-    counts, reported in the optimizer part."""
-    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
-    # clipping (HF max_grad_norm) reads every local gradient for the norm and scales it in place;
-    # accumulation adds each later micro-batch's gradient into the kept one
-    grads_s = grads_local * 4.0 * 3.0 / sp.bandwidth
-    upkeep_dev = grads_s + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
-    adam_dev = adam_host = 0.0
-    if not off_opt:
-        mean_tensor = local / tensors if tensors else local
-        adam_dev, adam_host = local * sp.adam_seconds_per_param(mean_tensor), tensors * sp.adam_per_tensor
-    if not sp.overlap_dispatch:
-        upkeep = grads_s + 2.0 * tensors * sp.op_seconds
-        return adam_dev + adam_host, upkeep + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
-    host, dev = adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + upkeep_dev
-    return max(host, dev), 0.0
-
-
 def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
     """Parameter tensors the optimizer visits: every weight, bias and norm (full), two per adapted linear
     (LoRA), one router per layer (MEFT)."""
@@ -345,7 +318,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
     tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
-    optim_s, upkeep = _optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    optim_s, upkeep = optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
     cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
@@ -374,7 +347,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
-    trainer_s = p.trainer_step_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
+    trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
+    trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
     step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
@@ -383,7 +357,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
             "attention_seconds": ga * mb["attention_seconds"],
             "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s + upkeep,
-            "trainer_seconds": trainer_s, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
+            "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
             "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],

@@ -1,0 +1,43 @@
+"""The host's part of a training step after its micro-batches: the optimizer phase (AdamW, clipping,
+accumulation) and the HF Trainer's own loop."""
+
+from __future__ import annotations
+
+from memfit.estimate.constants import Profile
+from memfit.estimate.speeds import Speeds
+
+
+# torch.nn.utils.clip_grad_norm_ with foreach (CUDA; torch/nn/utils/clip_grad.py): group, _foreach_norm, stack
+# + vector_norm, clip coefficient, clamp, _foreach_mul_ -- a fixed handful of host ops, not two per tensor
+CLIP_FOREACH_OPS = 6.0
+
+
+def optimizer_parts(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
+                    off_opt: bool) -> tuple[float, float]:
+    """(AdamW, clipping + accumulation upkeep) seconds after the micro-batches. CPU: one thread of work,
+    the parts add up. GPU: the Trainer's loss check after each micro-batch (``torch.isnan(tr_loss_step)``,
+    transformers trainer.py) syncs the host, then the host's per-tensor work (AdamW's foreach bookkeeping in
+    Python, clipping's few foreach ops) runs beside the device's sweeps over the parameters: the longer one
+    counts, reported in the optimizer part."""
+    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
+    # clipping (HF max_grad_norm) reads every local gradient for the norm and scales it in place;
+    # accumulation adds each later micro-batch's gradient into the kept one
+    grads_s = grads_local * 4.0 * 3.0 / sp.bandwidth
+    upkeep_dev = grads_s + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    adam_dev = adam_host = 0.0
+    if not off_opt:
+        mean_tensor = local / tensors if tensors else local
+        adam_dev, adam_host = local * sp.adam_seconds_per_param(mean_tensor), tensors * sp.adam_per_tensor
+    if not sp.overlap_dispatch:
+        upkeep = grads_s + 2.0 * tensors * sp.op_seconds
+        return adam_dev + adam_host, upkeep + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    host, dev = adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + upkeep_dev
+    return max(host, dev), 0.0
+
+
+def trainer_loop_ops(p: Profile, ga: int, adapters: int) -> float:
+    """The HF Trainer's own work per optimizer step beyond the bare loop (forward, backward, clipping, AdamW),
+    in small-op costs: per step, per micro-batch, and with a PEFT model its wrappers and a share per adapted
+    linear (bench/trainer_overhead.py measures each)."""
+    peft = p.trainer_peft_ops + adapters * p.trainer_adapter_step_ops if adapters else 0.0
+    return p.trainer_step_ops + ga * (p.trainer_micro_batch_ops + adapters * p.trainer_adapter_micro_batch_ops) + peft
