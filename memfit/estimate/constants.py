@@ -44,6 +44,13 @@ class Profile:
     trainer_step_collectives: float = 4.0  # the HF Trainer's own collectives per optimizer step with several processes and logging every step (transformers 5.24 trainer.py: num_items_in_batch and num_input_tokens_seen gathers, the logged loss's nested_gather and store_flos; counted on a 2-rank gloo run: 37 calls in 9 steps)
     trainer_step_ops: float = 600.0  # the HF Trainer's own work per optimizer step (loop, callbacks, scheduler, logging, clipping's Python), in small-op costs: memfit's trainer on a 2-layer h16 Llama took ~10 ms more per step than the bare loop on this machine, where one op costs ~16 us (docs/time.md)
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
+    # the sharded engines' host work on a CPU (memfit.estimate.engine_host; counted / measured on 2-rank gloo runs
+    # of a 39-tensor h-256 Llama, docs/time.md "Sharded engines on a CPU"), in small-op costs (op_seconds)
+    deepspeed_grad_ops: float = 14.3  # DeepSpeed 0.19.8 ZeRO-1/2 per gradient per reduction (stage_1_and_2.py IPG bucket copy, post-scale, all_reduce, copy back, partition copy): 558 aten ops over 39 gradients, counted with a TorchDispatchMode
+    deepspeed_step_ops: float = 9.6  # DeepSpeed ZeRO-1/2 step per gradient (get_grad_norm_direct, flat partition bookkeeping): 373 aten ops over 39 gradients, counted likewise
+    fsdp2_ops_per_param: float = 44.0  # FSDP2 (torch 2.13 _fully_shard) hooks' Python per parameter per micro-batch (unshard/reshard bookkeeping, a DTensor per sharded gradient): 45 ms main-thread CPU over 39 parameters beside the copies, at op_seconds 26 us
+    adamw_ops_per_tensor: float = 9.4  # torch.optim.AdamW (single-tensor, 2.13 adam.py _single_tensor_adam) ops per parameter per step: 367 over 39, counted likewise
+    dtensor_op_extra: float = 1.7  # DTensor's dispatch per op beyond a plain tensor's, in small-op costs: AdamW.step over 39 FSDP2 shards (1.7 M elements) 25.4 ms vs 17.0 ms over 39 whole tensors (3.4 M)
     # ---- time: communication ------------------------------------------------------------------------
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
     inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth

@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from memfit.estimate.constants import Profile
+from memfit.estimate.engine_host import engine_host_seconds
 from memfit.estimate.faults import fresh_bytes, mmap_threshold
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
@@ -63,14 +64,22 @@ def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
-                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0) -> float:
+                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False) -> float:
     """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers.
 
     DeepSpeed ZeRO-1/2 (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` /
     ``allreduce_and_scatter``) flushes its gradient bucket of ``reduce_bucket_size`` elements (memfit's
     default h², HF's 'auto') and all-reduces slices of at most one bucket, a parameter larger than the
     bucket alone: min(trainable tensors, P_t / bucket) all-reduces per reduction (counted on a 2-rank gloo
-    run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters."""
+    run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters. FSDP2 as
+    accelerate wraps a causal LM (fsdp_utils.py ``fsdp2_prepare_model``: the L layers, the input embedding,
+    [final norm, lm_head]): per micro-batch an all-gather per group forward, again in backward but for the
+    tail (full_shard; + the layers' under checkpointing, as :func:`comm_parts`), a reduce-scatter per group
+    (counted on the same run: 11 + 6 per step)."""
+    if fsdp and engine_kind in ("zero3", "sgo"):
+        groups = layers + 2
+        again = (groups - 1 + (layers if checkpointing else 0)) if engine_kind == "zero3" else 0
+        return float(ga * (groups + again + groups))
     if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
         per = min(tensors, math.ceil(p_t / reduce_bucket))
         return float((ga if engine_kind == "zero2" else 1) * per + 1)
@@ -333,7 +342,8 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
-              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False) -> dict[str, Any]:
+              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
+              fsdp: bool = False) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
     prec, method, ga = st.precision, st.method, st.grad_accum
@@ -344,7 +354,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
                      meft_rows, p_t if method == "meft" else 0.0, fp32_stream)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
-    tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
+    tensors_t = trainable_tensors(model, method, len(adapted))
+    # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
+    tensors = tensors_t / (n if shard_o and not fsdp else 1)
     optim_s, upkeep = _optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
     cpu_opt_s = 0.0
     if off_opt:
@@ -354,8 +366,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     comm_s = 0.0
     if cbytes:
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
-                                 trainable_tensors(model, method, len(adapted)), p_t,
-                                 p.zero_reduce_bucket_per_h2 * model.hidden ** 2)
+                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
     exposed = comm_s * (1.0 - overlap_for(engine, p, cpu))
     pcie_b = 0.0
@@ -374,8 +385,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    engine_s = 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(
+        engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
+        st.gradient_checkpointing, sp.op_seconds, sp.bandwidth, p)
     trainer_s = p.trainer_step_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
+    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
@@ -385,6 +399,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s + upkeep,
             "trainer_seconds": trainer_s, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
+            "engine_seconds": engine_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
             "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
             "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}
