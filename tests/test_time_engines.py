@@ -28,26 +28,26 @@ def test_fsdp2_collectives_one_per_wrapped_group():
 def test_deepspeed_zero12_host_work_by_hand():
     p = Profile()
     # 39 gradients, 3.4 M parameters of 4 bytes, 2 ranks, 2 micro-batches, 10 us per op, 1e10 B/s.
-    # per reduction: 39 x 14.3 ops x 1e-5 = 5.577 ms + (6 + 2/2) x 13.6 MB / 1e10 = 9.52 ms -> 15.097 ms;
-    # at the step: 39 x 9.6 x 1e-5 = 3.744 ms
+    # per reduction: 39 x 30 op costs x 1e-5 = 11.7 ms + (6 + 2/2) x 13.6 MB / 1e10 = 9.52 ms -> 21.22 ms;
+    # at the step: 39 x 35 x 1e-5 = 13.65 ms
     z2 = engine_host_seconds("zero2", False, 39, 39, 3.4e6, 4.0, 0.0, 2, 2, False, 1e-5, 1e10, p)
-    assert z2 == pytest.approx(2 * 15.097e-3 + 3.744e-3)
+    assert z2 == pytest.approx(2 * 21.22e-3 + 13.65e-3)
     z1 = engine_host_seconds("zero1", False, 39, 39, 3.4e6, 4.0, 0.0, 2, 2, False, 1e-5, 1e10, p)
-    assert z1 == pytest.approx(15.097e-3 + 3.744e-3)  # ZeRO-1 reduces once, at the step
+    assert z1 == pytest.approx(21.22e-3 + 13.65e-3)  # ZeRO-1 reduces once, at the step
     assert engine_host_seconds("zero2", False, 39, 39, 3.4e6, 4.0, 0.0, 1, 2, False, 1e-5, 1e10, p) == 0.0
     assert engine_host_seconds("ddp", False, 39, 39, 3.4e6, 4.0, 0.0, 2, 2, False, 1e-5, 1e10, p) == 0.0
 
 
 def test_fsdp2_host_work_by_hand():
     p = Profile()
-    # hooks: 39 parameters x 44 x 1e-5 = 17.16 ms; copies: 2 gathers x 13.6 MB x (2 + 2/2) = 81.6 MB + the
+    # hooks: 39 parameters x 83 x 1e-5 = 32.37 ms; copies: 2 gathers x 13.6 MB x (2 + 2/2) = 81.6 MB + the
     # gradients 13.6 MB x 3 = 40.8 MB -> 122.4 MB / 1e10 = 12.24 ms; the optimizer over 39 DTensors:
-    # 39 x 9.4 ops x 1.7 x 1e-5 = 6.2322 ms
+    # 39 x 9.4 ops x 4.0 x 1e-5 = 14.664 ms
     full = engine_host_seconds("zero3", True, 39, 39, 3.4e6, 4.0, 13.6e6, 2, 1, False, 1e-5, 1e10, p)
-    assert full == pytest.approx(17.16e-3 + 12.24e-3 + 6.2322e-3)
+    assert full == pytest.approx(32.37e-3 + 12.24e-3 + 14.664e-3)
     # LoRA: the hooks still visit all 39 parameters, 8 adapter tensors train (0.1 M parameters)
     lora = engine_host_seconds("zero3", True, 8, 39, 1e5, 4.0, 13.6e6, 2, 1, False, 1e-5, 1e10, p)
-    assert lora == pytest.approx(17.16e-3 + (81.6e6 + 1.2e6) / 1e10 + 8 * 9.4 * 1.7e-5)
+    assert lora == pytest.approx(32.37e-3 + (81.6e6 + 1.2e6) / 1e10 + 8 * 9.4 * 4.0e-5)
     # shard_grad_op gathers once per micro-batch: 13.6 MB x 3 less
     sgo = engine_host_seconds("sgo", True, 39, 39, 3.4e6, 4.0, 13.6e6, 2, 1, False, 1e-5, 1e10, p)
     assert full - sgo == pytest.approx(40.8e6 / 1e10)

@@ -7,20 +7,23 @@ engines on a CPU" has the commands): per optimizer step, with one micro-batch,
   ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads`` -> ``average_tensor`` ->
   ``allreduce_and_copy_with_multiple_ranks``: a copy into the contiguous IPG bucket (gradients no larger
   than the bucket), the post-scale ``mul_``/``div_`` by the world size, the all-reduce, ``buf.copy_(synced)``
-  back and the kept partition's copy: ~14 small ops per gradient (558 aten ops over 39 gradients) and
-  (6 + 2/n) passes of its bytes; the step (``get_grad_norm_direct`` per gradient, the flat fp32
-  partition's bookkeeping) ~10 ops per gradient (373 over 39). Main-thread CPU in the gradient hooks:
-  35 ms per step, in ``step`` 29 ms (its Adam on the flat partition is the optimizer part).
+  back and the kept partition's copy: (6 + 2/n) passes of its bytes and 14.3 aten ops per gradient (558 over
+  39, counted with a TorchDispatchMode), whose Python costs more than 14 small ops: 17-30 ms of main-thread
+  CPU per step in the hooks, ~7.4 ms of it the copies -> ~30 small-op costs per gradient (op_seconds
+  measured beside it: 10.4 us; the all-reduces' launches included, which the collectives' calibrated
+  latency partly holds too). The step (``get_grad_norm_direct`` per gradient, the flat fp32 partition's
+  bookkeeping, timers, memory reports; 9.6 aten ops per gradient): 21-26 ms of CPU less its flat AdamW
+  (the optimizer part) and ~2.6 ms of copies -> ~35 small-op costs per gradient.
 * **FSDP2** (torch 2.13 fsdp/_fully_shard, as accelerate 1.x wraps a causal LM: each decoder layer, the
   input embedding, and [final norm, lm_head] as groups, fsdp_utils.py ``fsdp2_prepare_model``): per
   micro-batch each all-gather copies the shard in (``all_gather_copy_in``, 2 passes of the shard) and the
   gathered parameters out (``split_with_sizes_copy``, 2 passes of the whole), each reduce-scatter packs
   the gradients (``chunk_cat``, 2 passes) and keeps its shard (2 passes of the shard); the hooks' Python
-  (unshard / reshard bookkeeping, one DTensor per sharded gradient, record_function scopes) cost 55 ms of
-  main-thread CPU per step over 39 parameters, ~10 ms of it those copies: ~44 small-op costs per parameter.
-  The optimizer then steps DTensors: each of AdamW's ~9.4 ops per tensor (367 over 39, counted) pays
-  DTensor's dispatch on top (AdamW.step: 25.4 ms over 39 shards of 1.7 M elements vs 17.0 ms over 39
-  whole tensors of 3.4 M: ~1.7 small-op costs per op).
+  (unshard / reshard bookkeeping, one DTensor per sharded gradient, record_function scopes) cost 39-48 ms
+  of main-thread CPU per step over 39 parameters, ~9.5 ms of it those copies: ~83 small-op costs per
+  parameter (op_seconds measured beside it: 10.6 us). The optimizer then steps DTensors: each of AdamW's
+  ~9.4 ops per tensor (367 over 39, counted) pays DTensor's dispatch on top (AdamW.step: 17-26 ms over 39
+  shards of 1.7 M elements vs 10.2 ms over 39 whole tensors of 3.4 M: ~4 small-op costs per op).
 
 On a GPU this host work runs while the device computes (and is unmeasured there): not added.
 """
