@@ -7,7 +7,8 @@
 ``cell N`` trains bench/time_grid.py's configuration N through memfit's measured worker (1 warm-up, 1
 profiled, 5 timed steps) with the engines' functions wrapped: per timed step (median, rank 0) the wall,
 the main thread's CPU time, and the main thread's CPU and wall inside DeepSpeed's gradient hooks and step,
-FSDP2's four hooks, AdamW.step, clip_grad_norm_ and the collectives; ``--ops`` counts the aten ops issued
+FSDP2's four hooks, AdamW.step, clip_grad_norm_ and the collectives, and the collectives issued per step
+(every call, FSDP2's ``all_gather_single`` / ``reduce_scatter_single`` included); ``--ops`` counts the aten ops issued
 inside them (a TorchDispatchMode; slows the step). memfit's small-op cost (op_seconds) is measured before
 and after, so ratios to it come from the same minutes. ``collectives``: per-call wall of gloo's
 all-reduce / all-gather / reduce-scatter at ZeRO-2's and FSDP2's sizes, 60 calls each: min, median, mean.
@@ -34,6 +35,9 @@ WRAPPED = {"deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer":
            "torch.optim:AdamW": ("step",), "torch.nn.utils:clip_grad_norm_": (),
            "torch.distributed:all_reduce": (), "torch.distributed:all_gather_into_tensor": (),
            "torch.distributed:reduce_scatter_tensor": ()}
+# every call of these is counted, also inside the wrapped functions (FSDP2 issues the *_single forms)
+COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+           "reduce_scatter_single")
 
 
 def _worker(spec: str, out: str, count_ops: bool) -> int:
@@ -91,20 +95,29 @@ def _worker(spec: str, out: str, count_ops: bool) -> int:
                 wrap(cls, n, f"{attr}.{n}")
         else:
             wrap(obj, attr, attr)
+    import torch.distributed as dist
+
+    calls: dict = {}
+    for name in COUNTED:
+        if hasattr(dist, name):
+            def counted(*a, _f=getattr(dist, name), _n=name, **k):
+                calls[_n] = calls.get(_n, 0) + 1
+                return _f(*a, **k)
+            setattr(dist, name, counted)
     rec: list = []
     start: dict = {}
     begin, end = C.ProbeCallback.on_step_begin, C.ProbeCallback.on_step_end
 
     def on_begin(self, args, state, control, **kw):
         r = begin(self, args, state, control, **kw)
-        start.update(t=time.perf_counter(), c=time.thread_time(), acc=json.loads(json.dumps(acc)))
+        start.update(t=time.perf_counter(), c=time.thread_time(), acc=json.loads(json.dumps(acc)), calls=dict(calls))
         return r
 
     def on_end(self, args, state, control, **kw):
         r = end(self, args, state, control, **kw)
         parts = {k: [v[i] - start["acc"].get(k, [0, 0.0, 0.0])[i] for i in range(3)] for k, v in acc.items()}
         rec.append({"wall": time.perf_counter() - start["t"], "main_cpu": time.thread_time() - start["c"],
-                    "parts": parts})
+                    "parts": parts, "calls": {k: v - start["calls"].get(k, 0) for k, v in calls.items()}})
         if self._done:
             Path(out.format(rank=os.environ.get("RANK", "0"))).write_text(
                 json.dumps({"steps": rec, "ops": ops, "all_steps": self.warmup + self.steps}))
@@ -150,6 +163,8 @@ def probe_cell(index: int, count_ops: bool) -> None:
     print(f"{tg.label(tg.CELLS[index])}: wall {med(s['wall'] for s in steps) * 1e3:.0f} ms, main-thread CPU "
           f"{med(s['main_cpu'] for s in steps) * 1e3:.0f} ms per step; op_seconds {before * 1e6:.1f} / "
           f"{after * 1e6:.1f} us before / after")
+    names = sorted({k for st in steps for k in st["calls"]})
+    print("  collectives per step: " + ", ".join(f"{k} {med(st['calls'].get(k, 0) for st in steps):.0f}" for k in names))
     for k in sorted({k for s in steps for k in s["parts"]}):
         v = [s["parts"].get(k, [0, 0.0, 0.0]) for s in steps]
         n_ops = sum(d["ops"].get(k, {}).values()) / d["all_steps"] if count_ops else None

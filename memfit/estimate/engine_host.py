@@ -25,7 +25,8 @@ engines on a CPU" has the commands): per optimizer step, with one micro-batch,
   ~9.4 ops per tensor (367 over 39, counted) pays DTensor's dispatch on top (AdamW.step: 17-26 ms over 39
   shards of 1.7 M elements vs 10.2 ms over 39 whole tensors of 3.4 M: ~4 small-op costs per op).
 
-On a GPU this host work runs while the device computes (and is unmeasured there): not added.
+On a GPU this host work runs while the device computes (and is unmeasured there), and with offload the
+engines take other paths (unmeasured): not added.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from memfit.estimate.constants import Profile
 
 
 def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: float, p_t: float, g_b: float,
-                        gather_bytes: float, n: int, ga: int, gc: bool, op_seconds: float, bandwidth: float,
+                        gather_bytes: float, n: int, ga: int, op_seconds: float, bandwidth: float,
                         p: Profile) -> float:
     """Seconds per optimizer step of the engine's host work outside its collectives and the optimizer's
     own sweep: ``tensors`` trainable tensors (all of them, not a shard), ``tensors_all`` every parameter
@@ -49,7 +50,7 @@ def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: fl
         per = tensors * p.deepspeed_grad_ops * op_seconds + (6.0 + 2.0 / n) * grads / bandwidth
         return reductions * per + tensors * p.deepspeed_step_ops * op_seconds
     if fsdp and engine in ("zero3", "sgo"):
-        gathers = 1.0 if engine == "sgo" else (3.0 if gc else 2.0)  # as memfit.estimate.timing.comm_parts
+        gathers = 1.0 if engine == "sgo" else 2.0  # as memfit.estimate.timing.comm_parts (none more under gc)
         copies = gathers * gather_bytes * (2.0 + 2.0 / n) + grads * (2.0 + 2.0 / n)
         per = tensors_all * p.fsdp2_ops_per_param * op_seconds + copies / bandwidth
         return ga * per + tensors * p.adamw_ops_per_tensor * p.dtensor_op_extra * op_seconds

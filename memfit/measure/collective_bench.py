@@ -2,8 +2,8 @@
 forms FSDP2 and DeepSpeed use) between forked gloo processes on a CPU, or the GPUs with NCCL: bus bandwidth
 and latency per primitive.
 
-On a CPU (gloo) every figure is the **mean** time per call over a run of back-to-back calls, not the
-median: a gloo call hands its work from the caller to gloo's run-loop thread and its TCP loop thread (in
+On a CPU (gloo) every figure is the **mean** time per call over a run of back-to-back calls (preemptions
+over 20x the median left out), not the median: a gloo call hands its work from the caller to gloo's run-loop thread and its TCP loop thread (in
 both processes), and on a machine whose cores the ranks fill, a woken thread often waits for a core, so one
 call takes either ~0.5 ms or ~3-4 ms (2 cores, 256 to 176k elements: median 0.7 ms, mean 2.0 ms; docs/time.md
 "Sharded engines on a CPU"). A step pays the sum of its
@@ -55,13 +55,22 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     dist.destroy_process_group()
 
 
+OUTLIER = 20.0  # a call slower than this x the median is another process's preemption, left out
+
+
 def mean_call_seconds(fn: Callable[[], None], reps: int) -> float:
-    """Seconds per call of ``fn`` over ``reps`` back-to-back calls after one warm-up (the whole run / reps)."""
+    """Seconds per call of ``fn``: the mean of ``reps`` back-to-back calls after one warm-up, leaving out
+    calls over ``OUTLIER`` x the median (a preemption by another process for tens of ms or more; the
+    hand-offs' slow mode, 3-10x the median here, stays in)."""
     fn()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        times.append(time.perf_counter() - t0)
+    cap = OUTLIER * sorted(times)[len(times) // 2]
+    kept = [t for t in times if t <= cap]
+    return sum(kept) / len(kept)
 
 
 def collective_rates(world: int, backend: str) -> Optional[dict[str, float]]:
