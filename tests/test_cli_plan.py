@@ -102,8 +102,11 @@ def test_plan_gpu_count_search(capsys):
     assert [r["gpus"] for r in d["rows"]] == [1, 2, 3]
     rows = {r["gpus"]: r for r in d["rows"] if r["recommended"]}
     assert 2 in rows and 3 in rows
-    # seed 004: a third GPU cuts CPU RAM and time
-    assert rows[3]["cpu_bytes"] < rows[2]["cpu_bytes"] and rows[3]["hours"] < rows[2]["hours"]
+    # seed 004: a third GPU cuts the time; every recommendation stays under the 256 GB of CPU RAM (with FSDP2's
+    # collectives counted per wrapped group, 3 GPUs pick FSDP full_shard over ZeRO-3 by < 1 % of step time,
+    # whose QLoRA loading holds more CPU RAM than 2 GPUs' ZeRO-3)
+    assert rows[3]["hours"] < rows[2]["hours"] < rows[1]["hours"]
+    assert all(r["cpu_bytes"] <= 256e9 for r in rows.values())
     assert rows[3]["cost"] == pytest.approx(rows[3]["hours"] * 3 * 0.33)
 
 

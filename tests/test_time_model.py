@@ -61,7 +61,7 @@ def test_catalog_parts_by_hand():
     assert t["attention_seconds"] == pytest.approx(98_304 * 0.5 / 78e12)
     assert t["basis"] == "catalog peak x utilisation, uncalibrated"
     parts = (t["compute_seconds"] + t["optimizer_seconds"] + t["trainer_seconds"] + t["comm_exposed_seconds"]
-             + t["offload_seconds"] + t["cpu_optimizer_seconds"] + t["meft_seconds"])
+             + t["offload_seconds"] + t["cpu_optimizer_seconds"] + t["meft_seconds"] + t["engine_seconds"])
     assert t["step_seconds"] == pytest.approx(parts)
     # checkpointing adds one forward of every layer linear (not of the head) and of attention
     gc = estimate(TINY, parse_hardware("A100-80GB"), Strategy(**BASE, gradient_checkpointing=True), profile=prof).time

@@ -51,6 +51,13 @@ class Profile:
     trainer_adapter_step_ops: float = 1.7  # per adapted linear and optimizer step
     trainer_adapter_micro_batch_ops: float = 5.2  # per adapted linear and micro-batch
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
+    # the sharded engines' host work on a CPU (memfit.estimate.engine_host; counted / measured on 2-rank gloo runs
+    # of a 39-tensor h-256 Llama, docs/time.md "Sharded engines on a CPU"), in small-op costs (op_seconds)
+    deepspeed_grad_ops: float = 30.0  # DeepSpeed 0.19.8 ZeRO-1/2 host work per gradient per reduction (stage_1_and_2.py gradient hook -> reduce_ipg_grads -> average_tensor: IPG bucket copy, post-scale, all_reduce launch, copy back, partition copy; 14.3 aten ops counted): 17-30 ms main-thread CPU per step over 39 gradients less ~7.4 ms of copies, op_seconds 10.4 us beside it
+    deepspeed_step_ops: float = 35.0  # DeepSpeed ZeRO-1/2 step's host work per gradient (get_grad_norm_direct, the flat partition's bookkeeping, timers, memory reports; 9.6 aten ops counted): 21-26 ms CPU less its flat AdamW (~5 ms) and ~2.6 ms of copies, over 39 gradients at op_seconds 10.4 us
+    fsdp2_ops_per_param: float = 83.0  # FSDP2 (torch 2.13 _fully_shard) hooks' Python per parameter per micro-batch (unshard/reshard bookkeeping, a DTensor per sharded gradient): 39-48 ms main-thread CPU per step over 39 parameters, ~9.5 ms of it the copies, with op_seconds measured beside it at 10.6 us
+    adamw_ops_per_tensor: float = 9.4  # torch.optim.AdamW (single-tensor, 2.13 adam.py _single_tensor_adam) ops per parameter per step: 367 over 39, counted likewise
+    dtensor_op_extra: float = 4.0  # DTensor's dispatch per op beyond a plain tensor's, in small-op costs: AdamW.step over 39 FSDP2 shards (1.7 M elements) 17-26 ms vs 10.2 ms over 39 whole tensors (3.4 M) in the same window, op_seconds 10.6 us
     # ---- time: communication ------------------------------------------------------------------------
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
     inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth

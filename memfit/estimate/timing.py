@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from memfit.estimate.constants import Profile
+from memfit.estimate.engine_host import engine_host_seconds
 from memfit.estimate.faults import fresh_bytes, mmap_threshold
 from memfit.estimate.loop import optimizer_parts, trainer_loop_ops
 from memfit.estimate.speeds import Speeds, speeds_for
@@ -34,7 +35,7 @@ BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's red
 
 
 def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
-               ga: int, checkpointing: bool) -> dict[str, float]:
+               ga: int, checkpointing: bool, fsdp: bool = False) -> dict[str, float]:
     """Bytes per optimizer step each GPU's collectives move, by primitive (bus convention: an all-reduce of
     S bytes counts 2·S, an all-gather its gathered output, a reduce-scatter its full input).
 
@@ -44,16 +45,15 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     step (zero1) or every micro-batch (zero2), + the all-gather of the updated params at the step
     (runtime/utils.py ``all_gather_into_tensor_dp_groups``). shard_grad_op: reduce-scatter every micro-batch
     and gathers all params once per micro-batch. zero3/full_shard: every micro-batch gathers all weights in
-    forward and again in backward (and in recomputation) + reduce-scatters grads (FSDP2:
-    fsdp/_fully_shard/_fsdp_collectives.py ``all_gather_single`` / ``reduce_scatter_single``).
-    """
+    forward and again in backward (ZeRO-3: and in recomputation; FSDP2's recomputes under the backward's
+    gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py)."""
     if engine_kind == "ddp":
         return {"all_reduce": 2.0 * p_t * g_b}
     if engine_kind in ("zero1", "zero2"):
         return {"all_reduce": (ga if engine_kind == "zero2" else 1) * 2.0 * p_t * g_b, "all_gather": p_t * w_b}
     if engine_kind == "sgo":
         return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
-    gathers = 3.0 if checkpointing else 2.0
+    gathers = 3.0 if checkpointing and not fsdp else 2.0
     return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
 
 
@@ -64,14 +64,19 @@ def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
-                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0) -> float:
+                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False) -> float:
     """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers.
 
     DeepSpeed ZeRO-1/2 (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` /
     ``allreduce_and_scatter``) flushes its gradient bucket of ``reduce_bucket_size`` elements (memfit's
     default h², HF's 'auto') and all-reduces slices of at most one bucket, a parameter larger than the
     bucket alone: min(trainable tensors, P_t / bucket) all-reduces per reduction (counted on a 2-rank gloo
-    run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters."""
+    run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters. FSDP2, L + 2
+    groups as accelerate wraps (fsdp_utils.py: layers, input embedding, [norm, lm_head]): per micro-batch a
+    gather per group, again in backward but the tail's (full_shard), a reduce-scatter per group (11 + 6)."""
+    if fsdp and engine_kind in ("zero3", "sgo"):
+        groups = layers + 2
+        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0) + groups))
     if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
         per = min(tensors, math.ceil(p_t / reduce_bucket))
         return float((ga if engine_kind == "zero2" else 1) * per + 1)
@@ -306,7 +311,8 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
-              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False) -> dict[str, Any]:
+              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
+              fsdp: bool = False) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
     prec, method, ga = st.precision, st.method, st.grad_accum
@@ -317,25 +323,26 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
                      meft_rows, p_t if method == "meft" else 0.0, fp32_stream)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
-    tensors = trainable_tensors(model, method, len(adapted)) / (n if shard_o else 1)
+    tensors_t = trainable_tensors(model, method, len(adapted))
+    # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
+    tensors = tensors_t / (n if shard_o and not fsdp else 1)
     optim_s, upkeep = optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
     cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
-    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing) if n > 1 else {}
+    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing, fsdp) if n > 1 else {}
     cbytes = sum(parts.values())
     comm_s = 0.0
     if cbytes:
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
-                                 trainable_tensors(model, method, len(adapted)), p_t,
-                                 p.zero_reduce_bucket_per_h2 * model.hidden ** 2)
+                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
     exposed = comm_s * (1.0 - overlap_for(engine, p, cpu))
     pcie_b = 0.0
     if off_opt:
         pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
     if off_par:
-        pcie_b += ga * (3.0 if st.gradient_checkpointing else 2.0) * gather_bytes / n
+        pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     offload_s = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
@@ -347,9 +354,12 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    engine_s = 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
+        engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
+        sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s
+    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
@@ -359,6 +369,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s + upkeep,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
+            "engine_seconds": engine_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
             "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
             "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}

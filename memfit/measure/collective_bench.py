@@ -1,9 +1,18 @@
 """Collectives for ``memfit calibrate --hardware``: all-reduce, all-gather and reduce-scatter (the tensor
 forms FSDP2 and DeepSpeed use) between forked gloo processes on a CPU, or the GPUs with NCCL: bus bandwidth
-and latency per primitive."""
+and latency per primitive.
+
+On a CPU (gloo) every figure is the **mean** time per call over a run of back-to-back calls (preemptions
+over 20x the median left out), not the median: a gloo call hands its work from the caller to gloo's run-loop thread and its TCP loop thread (in
+both processes), and on a machine whose cores the ranks fill, a woken thread often waits for a core, so one
+call takes either ~0.5 ms or ~3-4 ms (2 cores, 256 to 176k elements: median 0.7 ms, mean 2.0 ms; docs/time.md
+"Sharded engines on a CPU"). A step pays the sum of its
+calls, i.e. the mean; the median of a few missed the slow mode (0.85 ms against 2.8 ms per all-reduce
+inside a ZeRO-2 step)."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
@@ -19,9 +28,14 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    timer = Timer(device)
     big = torch.ones((64 if device == "cuda" else 4) << 18, device=device)  # 1 MiB elements on CPU
     small = torch.ones(256, device=device)
+
+    if device == "cpu":  # the mean per call (see the module docstring); CUDA keeps the median of events
+        def timer(fn: Callable[[], None], reps: int) -> float:
+            return mean_call_seconds(fn, 3 * reps)
+    else:
+        timer = Timer(device)
 
     def reduce(t: torch.Tensor) -> Callable[[], None]:
         return lambda: dist.all_reduce(t)
@@ -31,14 +45,32 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     gathered, full = torch.empty(world * big.numel(), device=device), torch.ones(world * big.numel(), device=device)
     small_out, small_in = torch.empty(world * small.numel(), device=device), torch.ones(world * small.numel(), device=device)
     shard, small_shard = torch.empty_like(big), torch.empty_like(small)
-    ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=4) for o, i in ((gathered, big), (small_out, small))]
-    rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=4) for o, i in ((shard, full), (small_shard, small_in))]
+    ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=r) for o, i, r in ((gathered, big, 4), (small_out, small, 8))]
+    rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=r) for o, i, r in ((shard, full, 4), (small_shard, small_in, 8))]
     if rank == 0:
         wire = big.numel() * 4.0 * (world - 1) / world
         conn.send({"backend": backend, "bus_bytes_per_s": 2.0 * wire / max(t_big - t_small, 1e-9), "latency_s": t_small,
                    "all_gather": {"bus_bytes_per_s": world * wire / max(ag[0] - ag[1], 1e-9), "latency_s": ag[1]},
                    "reduce_scatter": {"bus_bytes_per_s": world * wire / max(rs[0] - rs[1], 1e-9), "latency_s": rs[1]}})
     dist.destroy_process_group()
+
+
+OUTLIER = 20.0  # a call slower than this x the median is another process's preemption, left out
+
+
+def mean_call_seconds(fn: Callable[[], None], reps: int) -> float:
+    """Seconds per call of ``fn``: the mean of ``reps`` back-to-back calls after one warm-up, leaving out
+    calls over ``OUTLIER`` x the median (a preemption by another process for tens of ms or more; the
+    hand-offs' slow mode, 3-10x the median here, stays in)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    cap = OUTLIER * sorted(times)[len(times) // 2]
+    kept = [t for t in times if t <= cap]
+    return sum(kept) / len(kept)
 
 
 def collective_rates(world: int, backend: str) -> Optional[dict[str, float]]:
