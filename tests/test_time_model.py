@@ -274,6 +274,7 @@ def test_gloo_collective_between_forked_processes():
     assert c["backend"] == "gloo" and c["bus_bytes_per_s"] > 1e6 and 0 < c["latency_s"] < 0.1
     for op in ("all_gather", "reduce_scatter"):  # the tensor forms FSDP2 / DeepSpeed gathers use
         assert c[op]["bus_bytes_per_s"] > 1e6 and 0 < c[op]["latency_s"] < 0.1
+    assert set(c["concurrency"]) == {"gemm", "ops"} and min(c["concurrency"].values()) >= 1.0
 
 
 def test_collectives_by_primitive(monkeypatch):

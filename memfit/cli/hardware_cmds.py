@@ -78,6 +78,9 @@ def summary_lines(rates: Any, path: Any, fresh: bool) -> str:
     for world, c in (rates.collectives or {}).items():
         lines.append(f"  all-reduce, {world} processes ({c['backend']}): {g(c['bus_bytes_per_s'])} GB/s bus, "
                      f"latency {c['latency_s'] * 1e6:.0f} us")
+        if c.get("concurrency"):
+            lines.append(f"  {world} processes at once: each {c['concurrency']['gemm']:.2f}x slower on GEMMs, "
+                         f"{c['concurrency']['ops']:.2f}x on small ops")
     for way, v in (rates.copies or {}).items():
         lines.append(f"  pinned copy {way}: {g(v)} GB/s")
     return "\n".join(lines)

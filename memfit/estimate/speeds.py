@@ -182,25 +182,30 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         bw = min(bw, _interp(rates.bandwidth, busy) / hw.gpus_per_node)
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
     coll = (rates.collectives or {}).get(str(hw.world_size))
+    # N processes at once on a CPU each run slower than one alone (measured with the collectives)
+    conc = (coll or {}).get("concurrency") if cpu and hw.gpus_per_node > 1 else None
+    f_gemm, f_ops = (float(conc["gemm"]), float(conc["ops"])) if conc else (1.0, 1.0)
+    scale /= f_gemm
     cat = catalog_speeds(hw, precision, attention, profile)
     cpu_adam = rates.optimizer.get("cpu_deepspeed") or rates.optimizer.get("cpu_torch") or cat.cpu_adam_per_param
     return Speeds(
         basis=rates.basis, gemm_small=g["small"] * scale, gemm_large=g["large"] * scale,
         width_small=g["widths"]["small"], width_large=g["widths"]["large"], gemm_skinny=g["skinny"] * scale,
-        attention=curve, bandwidth=bw, op_seconds=rates.op_seconds / (share if cpu else 1.0),
+        attention=tuple((k, v / f_gemm) for k, v in curve), bandwidth=bw,
+        op_seconds=rates.op_seconds / (share if cpu else 1.0) * f_ops,
         overlap_dispatch=not cpu, adam_per_param=opt["per_param"] / share,
         adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=coll["bus_bytes_per_s"] if coll else cat.bus_bandwidth,
         collective_latency=coll["latency_s"] if coll else cat.collective_latency,
         attention_forward_share=float((a_all.get("forward_share") or {}).get(
             "eager" if attention == "eager" else "sdpa", cat.attention_forward_share)),
-        dequant_call=float((rates.dequant or {}).get("nf4_call_s") or 0.0) / (share if cpu else 1.0),
+        dequant_call=float((rates.dequant or {}).get("nf4_call_s") or 0.0) / (share if cpu else 1.0) * f_ops,
         first_touch=float((rates.bandwidth or {}).get("first_touch_s_per_byte") or 0.0) / share if cpu else 0.0,
         bus_by_op=tuple((op, float(coll[op]["bus_bytes_per_s"])) for op in ("all_gather", "reduce_scatter")
                         if isinstance((coll or {}).get(op), dict)),
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
-        overheads=_overheads(rates.overheads, share if cpu else 1.0),
+        overheads=_overheads(rates.overheads, (share if cpu else 1.0) / f_ops),
         gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
         # the cache-sized figure holds for CPU alone: torch's AdamW runs its single-tensor loop there (foreach
         # is CUDA's: torch/optim/optimizer.py _default_to_fused_or_foreach), each tensor's ~10 passes reusing

@@ -47,12 +47,46 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     shard, small_shard = torch.empty_like(big), torch.empty_like(small)
     ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=r) for o, i, r in ((gathered, big, 4), (small_out, small, 8))]
     rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=r) for o, i, r in ((shard, full, 4), (small_shard, small_in, 8))]
+    shared = concurrency(rank, dist.barrier) if device == "cpu" else None
     if rank == 0:
         wire = big.numel() * 4.0 * (world - 1) / world
         conn.send({"backend": backend, "bus_bytes_per_s": 2.0 * wire / max(t_big - t_small, 1e-9), "latency_s": t_small,
                    "all_gather": {"bus_bytes_per_s": world * wire / max(ag[0] - ag[1], 1e-9), "latency_s": ag[1]},
-                   "reduce_scatter": {"bus_bytes_per_s": world * wire / max(rs[0] - rs[1], 1e-9), "latency_s": rs[1]}})
+                   "reduce_scatter": {"bus_bytes_per_s": world * wire / max(rs[0] - rs[1], 1e-9), "latency_s": rs[1]},
+                   **({"concurrency": shared} if shared else {})})
     dist.destroy_process_group()
+
+
+def concurrency(rank: int, barrier: Callable[[], None], rounds: int = 3) -> Optional[dict[str, float]]:
+    """How much slower one-thread work runs in each process when every rank runs it at once (CPU): rank 0
+    times a GEMM (forward + backward) and a loop of small autograd ops alone while the others wait, then
+    all ranks run them together; the median over ``rounds`` alternations of together / alone, by kind.
+    Processes on their own cores still share what the machine shares (caches, SMT siblings, a VM host's
+    cores): on this 2-vCPU machine 1.0-1.9x per process, varying minute to minute (docs/time.md)."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(512, 384, requires_grad=True), torch.randn(384, 384, requires_grad=True)
+    g, small = torch.randn(512, 384), torch.randn(64, requires_grad=True)
+
+    def gemm() -> None:
+        F.linear(x, w).backward(g)
+        x.grad = w.grad = None
+
+    def ops() -> None:
+        y = small
+        for _ in range(100):
+            y = y * 1.0001
+        y.sum().backward()
+        small.grad = None
+    timer, ratios = Timer("cpu"), {"gemm": [], "ops": []}
+    for _ in range(rounds):
+        barrier()
+        alone = {"gemm": timer(gemm, reps=3, cap=0.03), "ops": timer(ops, reps=3, cap=0.03)} if rank == 0 else {}
+        barrier()
+        both = {"gemm": timer(gemm, reps=3, cap=0.03), "ops": timer(ops, reps=3, cap=0.03)}
+        for k in alone:
+            ratios[k].append(both[k] / alone[k])
+    return {k: max(1.0, sorted(v)[len(v) // 2]) for k, v in ratios.items()} if rank == 0 else None
 
 
 OUTLIER = 20.0  # a call slower than this x the median is another process's preemption, left out
