@@ -34,6 +34,34 @@ def with_local_rates(hw: Any, quiet: bool = False) -> Any:
     return dataclasses.replace(hw, rates=rates, rates_note="")
 
 
+def refresh_local_profile(max_age: float, say=None) -> bool:
+    """Measure this machine again when its newest calibration is older than ``max_age`` seconds (or none is
+    cached): for a run whose predicted step is compared with its measured one (``memfit demo``). True when
+    it measured. Nothing with MEMFIT_HWCAL=off or without torch."""
+    import time
+
+    if _disabled():
+        return False
+    try:
+        from memfit.measure.hwcal import ensure_hardware_profile
+    except ImportError:
+        return False
+    from memfit.spec import hwprofile
+    from memfit.spec.hardware import local_fingerprint
+
+    cached, _ = hwprofile.load_cached(local_fingerprint())
+    newest = float(cached.measured_unix) if cached is not None else 0.0  # the newest calibration's time
+    age = time.time() - newest
+    if cached is not None and newest and age <= max_age:
+        return False
+    if say is not None:
+        when = f"{age / 3600:.1f} h old" if cached is not None and newest else "absent or undated"
+        say(f"measuring this machine (~15 s): its hardware profile is {when}, and the summary compares the "
+            "predicted step with this run's")
+    ensure_hardware_profile(force=True)
+    return True
+
+
 def calibrate_hardware_cmd(force: bool, json_: bool) -> None:
     """Measure (or show the cached) hardware profile of this machine."""
     from memfit.cli.output import console, print_json

@@ -236,6 +236,10 @@ def demo_command(
 
     check_path(Path(run.output_dir))
     overwrite = overwrite or _earlier_demo(Path(run.output_dir), model_dir)
+    from memfit.cli.hardware_cmds import refresh_local_profile
+    from memfit.spec.hwprofile import WINDOW_SECONDS
+
+    refresh_local_profile(WINDOW_SECONDS, say=lambda line: err_console.print(line, highlight=False))
     if not as_json:
         console.print(f"model [bold]{model_dir}[/bold] (tiny Llama, random init)  data [bold]{data_path}[/bold]")
         try:

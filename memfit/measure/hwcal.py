@@ -121,7 +121,8 @@ def calibrate_hardware(progress: Progress = None, world: Optional[int] = None) -
     finally:
         torch.set_num_threads(threads)
     return hwprofile.HardwareRates(
-        device="cuda" if cuda else "cpu", measured_at=time.strftime("%Y-%m-%d"), cores=cores,
+        device="cuda" if cuda else "cpu", measured_at=time.strftime("%Y-%m-%d"), measured_unix=time.time(),
+        cores=cores,
         gemm=part["gemm"], attention=part["attention"], bandwidth=part["bandwidth"],
         op_seconds=float(part["op_seconds"]), optimizer=optimizer, copies=part.get("copies", {}),
         collectives=collectives, dequant=part.get("dequant", {}), overheads=part.get("overheads", {}),

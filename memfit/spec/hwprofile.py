@@ -88,12 +88,14 @@ class HardwareRates:
     # "adapter" (per PEFT LoRA linear), "eager_layer_extra"
     fingerprint: str = ""
     took_seconds: float = 0.0
-    # the last calibrations' own figures (newest last); the fields above are their per-figure median
+    # the last calibrations' own figures (newest last); the fields above are the per-figure median of those
+    # measured within WINDOW_SECONDS of the newest
     history: list = field(default_factory=list)
+    measured_unix: float = 0.0  # when it was measured (seconds since the epoch; 0: not recorded)
 
     @property
     def basis(self) -> str:
-        n = len(self.history)
+        n = len(recent(self.history))
         return f"measured on this machine {self.measured_at}" + (f", median of {n} calibrations" if n > 1 else "")
 
     def threads_key(self, threads: int) -> str:
@@ -152,7 +154,19 @@ def save(rates: HardwareRates, path: Optional[Path] = None) -> Path:
 
 MEASURED = ("gemm", "attention", "bandwidth", "op_seconds", "optimizer", "copies", "collectives", "dequant",
             "overheads")
-KEEP = 5  # calibrations whose median the profile holds
+KEEP = 5  # calibrations kept in the profile's history
+# only calibrations within this many seconds of the newest enter the median: a shared machine's speed moves
+# by +-20-30 % within minutes (what the median smooths) but also by up to 2x between phases lasting hours
+# (the small-op cost here read 26 us one evening and 11 us the next night; docs/time.md)
+WINDOW_SECONDS = 2 * 3600.0
+
+
+def recent(history: list) -> list:
+    """The kept calibrations within WINDOW_SECONDS of the newest (all of them when none records a time)."""
+    if not history:
+        return []
+    newest = float(history[-1].get("measured_unix") or 0.0)
+    return [h for h in history if float(h.get("measured_unix") or 0.0) >= newest - WINDOW_SECONDS]
 
 
 def median_of(values: list) -> Any:
@@ -170,14 +184,16 @@ def median_of(values: list) -> Any:
 
 def with_history(new: HardwareRates, previous: Optional[HardwareRates]) -> HardwareRates:
     """``new`` merged with the calibrations kept in ``previous`` (same machine and schema): the figures are
-    the median of the last ``KEEP``. On a shared machine one calibration's speeds move by ±20-30 % with
-    its neighbours for tens of seconds at a time; the median of several, taken at different times, is what
-    a run lasting minutes meets (docs/time.md)."""
+    the median of the last ``KEEP`` measured within ``WINDOW_SECONDS`` of ``new``. On a shared machine one
+    calibration's speeds move by ±20-30 % with its neighbours for tens of seconds at a time; the median of
+    several, taken at different times, is what a run lasting minutes meets (docs/time.md)."""
     from dataclasses import asdict, replace
 
-    own = {k: asdict(new)[k] for k in MEASURED} | {"measured_at": new.measured_at, "took_seconds": new.took_seconds}
+    own = {k: asdict(new)[k] for k in MEASURED} | {"measured_at": new.measured_at, "took_seconds": new.took_seconds,
+                                                   "measured_unix": new.measured_unix}
     kept = list(previous.history) if previous is not None and previous.history else (
-        [{k: asdict(previous)[k] for k in MEASURED}] if previous is not None else [])
+        [{k: asdict(previous)[k] for k in MEASURED} | {"measured_unix": previous.measured_unix}]
+        if previous is not None else [])
     history = (kept + [own])[-KEEP:]
-    merged = {k: median_of([h[k] for h in history if k in h]) for k in MEASURED}
+    merged = {k: median_of([h[k] for h in recent(history) if k in h]) for k in MEASURED}
     return replace(new, history=history, **merged)
