@@ -15,7 +15,7 @@ def test_h200_bare_loop_replayed_within_the_measured_error():
     calibrated = out.split("-- catalog")[0]
     median, worst = map(float, re.search(r"median ([\d.]+) %, max ([\d.]+) % \(n=15\)", calibrated).groups())
     tau = float(re.search(r"Kendall tau, seq 1024 \(9 configurations\): ([-\d.]+)", calibrated).group(1))
-    # measured then: median 6.4 %, max 20.4 %, tau 0.89 (docs/time.md, "GPU check")
+    # measured then: median 6.4 %, max 20.4 %, tau 0.89 (docs/gpu-time.md)
     assert median <= 10.0 and worst <= 25.0 and tau >= 0.8
     assert "measured on this machine 2026-11-30" in calibrated
     assert "catalog peak x utilisation, uncalibrated" in out.split("-- catalog")[1]
