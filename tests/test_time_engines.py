@@ -63,7 +63,8 @@ def test_fsdp2_host_work_by_hand():
     assert full - sgo == pytest.approx(40.8e6 / 1e10)
 
 
-def test_estimate_adds_engine_host_work_on_a_cpu_only():
+def test_estimate_adds_engine_host_work_on_a_cpu_only(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 processes x 1 thread on 2 cores (.ci/run exports 2)
     ddp = estimate(TINY, cpu_pool(2), Strategy(**FP32)).time
     z2 = estimate(TINY, cpu_pool(2), Strategy(**FP32, zero_stage=2)).time
     fsdp = estimate(TINY, cpu_pool(2), Strategy(**FP32, fsdp="full_shard")).time
