@@ -40,6 +40,18 @@ COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all
            "reduce_scatter_single")
 
 
+def _count_collectives(calls: dict) -> None:
+    """Count every call of COUNTED in torch.distributed, also those inside the wrapped functions."""
+    import torch.distributed as dist
+
+    for name in COUNTED:
+        if hasattr(dist, name):
+            def counted(*a, _f=getattr(dist, name), _n=name, **k):
+                calls[_n] = calls.get(_n, 0) + 1
+                return _f(*a, **k)
+            setattr(dist, name, counted)
+
+
 def _worker(spec: str, out: str, count_ops: bool) -> int:
     """In each rank: wrap the engines' functions (outermost call only), record per step, run memfit's worker."""
     import importlib
@@ -95,15 +107,8 @@ def _worker(spec: str, out: str, count_ops: bool) -> int:
                 wrap(cls, n, f"{attr}.{n}")
         else:
             wrap(obj, attr, attr)
-    import torch.distributed as dist
-
     calls: dict = {}
-    for name in COUNTED:
-        if hasattr(dist, name):
-            def counted(*a, _f=getattr(dist, name), _n=name, **k):
-                calls[_n] = calls.get(_n, 0) + 1
-                return _f(*a, **k)
-            setattr(dist, name, counted)
+    _count_collectives(calls)
     rec: list = []
     start: dict = {}
     begin, end = C.ProbeCallback.on_step_begin, C.ProbeCallback.on_step_end
