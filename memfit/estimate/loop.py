@@ -12,27 +12,24 @@ from memfit.estimate.speeds import Speeds
 CLIP_FOREACH_OPS = 6.0
 
 
-def optimizer_parts(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
-                    off_opt: bool) -> tuple[float, float]:
-    """(AdamW, clipping + accumulation upkeep) seconds after the micro-batches. CPU: one thread of work,
-    the parts add up. GPU: the Trainer's loss check after each micro-batch (``torch.isnan(tr_loss_step)``,
-    transformers trainer.py) syncs the host, then the host's per-tensor work (AdamW's foreach bookkeeping in
-    Python, clipping's few foreach ops) runs beside the device's sweeps over the parameters: the longer one
-    counts, reported in the optimizer part."""
+def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
+                      off_opt: bool) -> float:
+    """Seconds after the micro-batches: AdamW (unless offloaded), clipping (HF max_grad_norm: every local
+    gradient read for the norm, then scaled in place) and accumulation (each later micro-batch's gradient
+    added into the kept one). CPU: one thread of work, the parts add up. GPU: the Trainer's loss check after
+    each micro-batch (``torch.isnan(tr_loss_step)``, transformers trainer.py) syncs the host, then the host's
+    per-tensor work (AdamW's foreach bookkeeping in Python, clipping's few foreach ops) runs beside the
+    device's sweeps over the parameters: the longer one counts."""
     grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
-    # clipping (HF max_grad_norm) reads every local gradient for the norm and scales it in place;
-    # accumulation adds each later micro-batch's gradient into the kept one
-    grads_s = grads_local * 4.0 * 3.0 / sp.bandwidth
-    upkeep_dev = grads_s + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
+    clip = grads_local * 4.0 * 3.0 / sp.bandwidth  # one pass of the gradients: read for the norm, scaled
+    accumulate = (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
     adam_dev = adam_host = 0.0
     if not off_opt:
         mean_tensor = local / tensors if tensors else local
         adam_dev, adam_host = local * sp.adam_seconds_per_param(mean_tensor), tensors * sp.adam_per_tensor
     if not sp.overlap_dispatch:
-        upkeep = grads_s + 2.0 * tensors * sp.op_seconds
-        return adam_dev + adam_host, upkeep + (ga - 1) * grads_local * 4.0 * 3.0 / sp.bandwidth
-    host, dev = adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + upkeep_dev
-    return max(host, dev), 0.0
+        return adam_dev + adam_host + clip + 2.0 * tensors * sp.op_seconds + accumulate
+    return max(adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + clip + accumulate)
 
 
 def trainer_loop_ops(p: Profile, ga: int, adapters: int) -> float:

@@ -159,7 +159,11 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
     share = min(1.0, rates.cores / float(threads * hw.gpus_per_node)) if cpu else 1.0
     dt = _dtype(precision, rates.device)
     g_all = _interp(rates.gemm, threads) if cpu else rates.gemm["device"]
-    scale = share
+    coll = (rates.collectives or {}).get(str(hw.world_size))
+    # N processes at once on a CPU each run slower than one alone (measured with the collectives)
+    conc = (coll or {}).get("concurrency") if cpu and hw.gpus_per_node > 1 else None
+    f_gemm, f_ops = (float(conc["gemm"]), float(conc["ops"])) if conc else (1.0, 1.0)
+    scale = share / f_gemm
     if dt not in g_all and cpu:  # other dtypes are measured at one thread: fp32's thread gain applies
         one = rates.gemm[str(min(int(k) for k in rates.gemm))]
         if dt in one:
@@ -181,17 +185,12 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         busy = min(rates.cores, threads * hw.gpus_per_node)  # bandwidth measured with all their threads running
         bw = min(bw, _interp(rates.bandwidth, busy) / hw.gpus_per_node)
     opt = _interp(rates.optimizer, threads) if cpu else rates.optimizer["device"]
-    coll = (rates.collectives or {}).get(str(hw.world_size))
-    # N processes at once on a CPU each run slower than one alone (measured with the collectives)
-    conc = (coll or {}).get("concurrency") if cpu and hw.gpus_per_node > 1 else None
-    f_gemm, f_ops = (float(conc["gemm"]), float(conc["ops"])) if conc else (1.0, 1.0)
-    scale /= f_gemm
     cat = catalog_speeds(hw, precision, attention, profile)
     cpu_adam = rates.optimizer.get("cpu_deepspeed") or rates.optimizer.get("cpu_torch") or cat.cpu_adam_per_param
     return Speeds(
         basis=rates.basis, gemm_small=g["small"] * scale, gemm_large=g["large"] * scale,
         width_small=g["widths"]["small"], width_large=g["widths"]["large"], gemm_skinny=g["skinny"] * scale,
-        attention=tuple((k, v / f_gemm) for k, v in curve), bandwidth=bw,
+        attention=curve, bandwidth=bw,
         op_seconds=rates.op_seconds / (share if cpu else 1.0) * f_ops,
         overlap_dispatch=not cpu, adam_per_param=opt["per_param"] / share,
         adam_per_tensor=opt["per_tensor"] / share, cpu_adam_per_param=cpu_adam,

@@ -26,7 +26,7 @@ from typing import Any
 from memfit.estimate.constants import Profile
 from memfit.estimate.engine_host import engine_host_seconds
 from memfit.estimate.faults import fresh_bytes, mmap_threshold
-from memfit.estimate.loop import optimizer_parts, trainer_loop_ops
+from memfit.estimate.loop import optimizer_seconds, trainer_loop_ops
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
@@ -55,12 +55,6 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
         return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
     gathers = 3.0 if checkpointing and not fsdp else 2.0
     return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
-
-
-def comm_bytes(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
-               ga: int, checkpointing: bool) -> float:
-    """Bytes each GPU sends per optimizer step for its engine (the sum of :func:`comm_parts`)."""
-    return sum(comm_parts(engine_kind, p_all, weight_bytes_all, p_t, g_b, w_b, ga, checkpointing).values())
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
@@ -326,7 +320,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     tensors_t = trainable_tensors(model, method, len(adapted))
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
-    optim_s, upkeep = optimizer_parts(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt)
     cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
@@ -359,14 +353,14 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + optim_s + upkeep + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
+    step = ga * mb["seconds"] + optim_s + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
             "compute_seconds": ga * mb["seconds"], "matmul_seconds": ga * mb["matmul_seconds"],
             "attention_seconds": ga * mb["attention_seconds"],
             "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
-            "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s + upkeep,
+            "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
             "engine_seconds": engine_s,
