@@ -28,7 +28,9 @@ STEPS = 3
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1")
+    # PYTHONFAULTHANDLER: a rank that dies of a signal prints where every thread was
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1",
+               PYTHONFAULTHANDLER="1")
     env.pop("WORLD_SIZE", None)
     return env
 

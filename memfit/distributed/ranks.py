@@ -42,3 +42,13 @@ def barrier() -> None:
     dist = _group()
     if dist is not None:
         dist.barrier()
+
+
+def finish() -> None:
+    """The end of a launched process's work: every rank arrives, then the process group is left here,
+    while the interpreter and every peer are alive (not from an atexit handler racing the other ranks'
+    exits). Nothing without a process group."""
+    dist = _group()
+    if dist is not None:
+        dist.barrier()
+        dist.destroy_process_group()

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         results[case["name"]] = run_case(base, case, world)
         if rank == 0:
             _write({"world_size": world, "cases": results}, out)
+    from memfit.distributed.ranks import finish
+
+    finish()
     return 0
 
 

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             from memfit.cli.train_view import print_summary
 
             print_summary(result)
+    from memfit.distributed.ranks import finish
+
+    finish()
     return 0
 
 
