@@ -9,12 +9,20 @@ h 128 / 4 layers with grouped-query attention and q/k/v biases); full / LoRA / Q
 and off, eager / SDPA, micro-batch 1-8, sequence 128-1024, 1 and 2 processes (DDP, ZeRO-2, FSDP). Every
 configuration runs in a fresh process through memfit's trainer (memfit.measure.runner): 1 warm-up step,
 1 profiled step (not timed), then the timed steps; the measured figure is the median timed step (wall
-and process CPU time; with several ranks the slowest rank's), and every configuration is measured in two
-passes minutes apart, the lower median kept (a neighbour on a shared machine only ever slows a step;
-the table shows how far apart the passes were). Every process runs one thread
+and process CPU time; with several ranks the slowest rank's). Every process runs one thread
 (OMP_NUM_THREADS=1 is set here), so on a quiet machine wall ≈ CPU time; on a loaded one the CPU time is
-the steadier figure. Predictions use the hardware profile measured at the start of the run
-(`memfit calibrate --hardware --force`; `--cached-profile` keeps the cached one).
+the steadier figure.
+
+The grid is measured group by group (the configurations sharing a model and a sequence length, the ones
+ranked against each other), each group inside its own calibration window: calibrate
+(`memfit calibrate --hardware`, in a cache folder of its own), measure the group's configurations, measure
+them again in reverse order (a drift during the group meets both ends of it; the lower median of the two passes
+is kept, since a neighbour on a shared machine only ever slows a step), calibrate again. The report
+predicts every configuration with the median of all the run's calibrations (``profile.json``: two per
+group, spread through the run; the rule memfit's own profile follows, since one calibration moves by
+±20-30 % with its neighbours for tens of seconds), and prints the figures again with each group's own two
+calibrations (``profile-<model>-<seq>.json``): this VM's speed also moves by 2x between phases lasting
+tens of minutes (docs/time.md), which those follow and the median of the run does not.
 
 Prints per configuration the predicted and measured step, the error, and per group of configurations
 sharing a model and a sequence length the Kendall rank correlation of predicted vs measured order.
@@ -138,12 +146,13 @@ def predict_ms(cell: dict, models: dict[str, Path]) -> tuple[float, str]:
     return d["time"]["step_seconds"] * 1e3, d["time"]["basis"]
 
 
-def measure_cells(cells: list[dict], models: dict[str, Path], out: Path, steps: int) -> None:
+def measure_cells(cells: list[tuple[int, dict]], models: dict[str, Path], out: Path, steps: int) -> None:
+    """Measure ``(grid index, configuration)`` pairs in this order, each record saved as ``cell<index>.json``."""
     from memfit.errors import MemfitError
     from memfit.measure.runner import run_measured_process
 
     out.mkdir(parents=True, exist_ok=True)
-    for i, cell in enumerate(cells):
+    for n, (i, cell) in enumerate(cells):
         t0 = time.time()
         try:
             m = run_measured_process(make_run(cell, models), warmup=1, steps=steps, categories=False, threads=1)
@@ -151,8 +160,64 @@ def measure_cells(cells: list[dict], models: dict[str, Path], out: Path, steps: 
             m = {"error": str(err)[:300]}
         rec = {"cell": cell, "measured": m, "load": os.getloadavg(), "at": time.strftime("%H:%M:%S")}
         (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
-        print(f"  measured {i + 1}/{len(cells)} {label(cell)}  {time.time() - t0:.0f} s  "
+        print(f"  measured {n + 1}/{len(cells)} #{i} {label(cell)}  {time.time() - t0:.0f} s  "
               f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
+def group_key(cell: dict) -> str:
+    return f"{cell['model']}-{cell['seq_len']}"
+
+
+def groups_of(cells: list[dict], only: list[int] | None = None) -> dict[str, list[int]]:
+    """{group key: grid indices}, in grid order (``only``: just those indices)."""
+    out: dict[str, list[int]] = {}
+    for i, cell in enumerate(cells):
+        if only is None or i in only:
+            out.setdefault(group_key(cell), []).append(i)
+    return out
+
+
+def _calibrate(what: str):
+    from memfit.measure.hwcal import ensure_hardware_profile
+
+    rates, _ = ensure_hardware_profile(force=True, progress=lambda line: print(f"  calibrating ({what}) {line}",
+                                                                                file=sys.stderr))
+    print(f"  calibration ({what}) took {rates.took_seconds:.1f} s", file=sys.stderr)
+    return rates
+
+
+def measure_group(key: str, idx: list[int], cells: list[dict], models: dict[str, Path], out: Path,
+                  steps: int, passes: int) -> None:
+    """One group in its own calibration window: calibrate, measure, measure again in reverse, calibrate;
+    the group's profile (the median of its two calibrations) saved as ``profile-<key>.json``."""
+    import shutil
+
+    cache = out / "cache" / key
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ["MEMFIT_CACHE"] = str(cache)  # this window's calibrations only
+    _calibrate(f"{key}, before")
+    measure_cells([(i, cells[i]) for i in idx], models, out, steps)
+    if passes > 1:  # again in reverse order: a drift during the group meets both ends of it
+        measure_cells([(i, cells[i]) for i in reversed(idx)], models, out / "pass2", steps)
+    rates = _calibrate(f"{key}, after")
+    (out / f"profile-{key}.json").write_text(json.dumps(rates.to_dict(), indent=1))
+
+
+def window_profile(out: Path) -> Path:
+    """``profile.json``: the median of every calibration the run took (two per group, spread through it),
+    the rule memfit's own profile follows (the median of the calibrations in its window); what the report
+    predicts with."""
+    from dataclasses import replace
+
+    from memfit.spec import hwprofile
+
+    groups = sorted(out.glob("profile-*.json"), key=lambda p: p.stat().st_mtime)
+    history = [h for p in groups for h in json.loads(p.read_text()).get("history") or []]
+    last = hwprofile.HardwareRates.from_dict(json.loads(groups[-1].read_text()))
+    merged = {k: hwprofile.median_of([h[k] for h in history if k in h]) for k in hwprofile.MEASURED}
+    path = out / "profile.json"
+    path.write_text(json.dumps(replace(last, history=history, **merged).to_dict(), indent=1))
+    return path
 
 
 def _measured(rec: dict, again: dict | None) -> tuple[float, float, float]:
@@ -164,37 +229,76 @@ def _measured(rec: dict, again: dict | None) -> tuple[float, float, float]:
     return min(walls), min(cpus), 100 * (max(walls) / min(walls) - 1)
 
 
-def report(out: Path, models: dict[str, Path]) -> int:
-    recs = [json.loads(p.read_text()) for p in sorted(out.glob("cell*.json"))]
-    second = {p.name: json.loads(p.read_text()) for p in (out / "pass2").glob("cell*.json")}
-    print(" # model method eng   gc attn    seq mb np   pred ms   wall ms  err %    cpu ms  err %  load  passes apart")
-    rows, basis = [], ""
-    for i, r in enumerate(recs):
-        cell, m = r["cell"], r["measured"]
-        if "error" in m:
-            print(f"{i:2d} {label(cell)}   failed: {m['error'][:80]}")
-            continue
-        pred, basis = predict_ms(cell, models)
-        wall, cpu, apart = _measured(r, second.get(f"cell{i:02d}.json"))
-        ew, ec = 100 * (pred / wall - 1), (100 * (pred / cpu - 1) if cpu else float("nan"))
-        rows.append((cell, pred, wall, cpu, ew, ec))
-        apart_txt = f"  {apart:5.1f} %" if f"cell{i:02d}.json" in second else ""
-        print(f"{i:2d} {label(cell)} {pred:9.1f} {wall:9.1f} {ew:+6.1f} {cpu:9.1f} {ec:+6.1f}  {r['load'][0]:.1f}"
-              + apart_txt)
-    if not rows:
-        return 1
-    print(f"\nbasis: {basis}")
+def profile_for(out: Path, cell: dict) -> Path | None:
+    """The profile a configuration is predicted with: its group's window, else the run's one profile."""
+    for path in (out / f"profile-{group_key(cell)}.json", out / "profile.json"):
+        if path.is_file():
+            return path
+    return None
+
+
+def summarise(rows: list[tuple], title: str) -> None:
+    """Median / max |error| and Kendall tau per group, against wall and CPU time."""
     for name, col, err in (("wall", 2, 4), ("CPU time", 3, 5)):
         errs = [abs(r[err]) for r in rows]
-        print(f"|error| vs {name}: median {statistics.median(errs):.1f} %, max {max(errs):.1f} % (n={len(errs)}); "
-              "target median <= 15 %, max <= 35 %")
+        print(f"{title}|error| vs {name}: median {statistics.median(errs):.1f} %, max {max(errs):.1f} % "
+              f"(n={len(errs)}); target median <= 15 %, max <= 35 %")
         groups: dict[tuple, list] = {}
         for r in rows:
             groups.setdefault((r[0]["model"], r[0]["seq_len"]), []).append(r)
         taus = {k: kendall_tau([r[1] for r in g], [r[col] for r in g]) for k, g in groups.items() if len(g) > 1}
-        print(f"Kendall tau vs {name} per group (model, seq): "
+        print(f"{title}Kendall tau vs {name} per group (model, seq): "
               + ", ".join(f"{k[0]} {k[1]}: {t:+.2f} (n={len(groups[k])})" for k, t in taus.items())
               + "; target >= 0.8")
+        if col == 2:  # the pairs out of order, and how far apart they were measured
+            out_of_order = [f"#{CELLS.index(a[0])}/#{CELLS.index(b[0])} {100 * abs(a[2] / b[2] - 1):.1f} %"
+                            for g in groups.values() for i, a in enumerate(g) for b in g[i + 1:]
+                            if (a[1] - b[1]) * (a[2] - b[2]) < 0]
+            print(f"{title}pairs out of order (measured apart): " + (", ".join(out_of_order) or "none"))
+
+
+def predicted_rows(recs: list[tuple[int, dict]], second: dict, models: dict[str, Path], out: Path,
+                   fixed: Path | None = None, show: bool = False, saved: bool = True) -> tuple[list[tuple], str]:
+    """(cell, pred, wall, cpu, wall err %, cpu err %) per measured configuration; each predicted with its
+    group's profile, or with ``fixed`` for every row (``saved=False``: with this machine's cached profile)."""
+    rows, basis, current = [], "", None
+    for i, r in recs:
+        cell, m = r["cell"], r["measured"]
+        if "error" in m:
+            if show:
+                print(f"{i:2d} {label(cell)}   failed: {m['error'][:80]}")
+            continue
+        path = (fixed or profile_for(out, cell)) if saved else None
+        if path is not None and path != current:
+            use_saved_profile(path, quiet=not show)
+            current = path
+        pred, basis = predict_ms(cell, models)
+        wall, cpu, apart = _measured(r, second.get(f"cell{i:02d}.json"))
+        ew, ec = 100 * (pred / wall - 1), (100 * (pred / cpu - 1) if cpu else float("nan"))
+        rows.append((cell, pred, wall, cpu, ew, ec))
+        if show:
+            apart_txt = f"  {apart:5.1f} %" if f"cell{i:02d}.json" in second else ""
+            print(f"{i:2d} {label(cell)} {pred:9.1f} {wall:9.1f} {ew:+6.1f} {cpu:9.1f} {ec:+6.1f}  "
+                  f"{r['load'][0]:.1f}  {r.get('at', ''):8s}" + apart_txt)
+    return rows, basis
+
+
+def report(out: Path, models: dict[str, Path], current_profile: bool = False) -> int:
+    recs = [(int(p.stem[4:]), json.loads(p.read_text())) for p in sorted(out.glob("cell*.json"))]
+    second = {p.name: json.loads(p.read_text()) for p in (out / "pass2").glob("cell*.json")}
+    print(" # model method eng   gc attn    seq mb np   pred ms   wall ms  err %    cpu ms  err %  load  at"
+          "       passes apart")
+    window = out / "profile.json"
+    rows, basis = predicted_rows(recs, second, models, out, fixed=window if window.is_file() else None,
+                                 show=True, saved=not current_profile)
+    if not rows:
+        return 1
+    print(f"\nbasis: {basis}" + ("" if current_profile else f" ({window.name} of the run)"))
+    summarise(rows, "")
+    if not current_profile and any(out.glob("profile-*.json")):
+        by_group, _ = predicted_rows(recs, second, models, out)
+        print("\neach group predicted with its own two calibrations (profile-<model>-<seq>.json):")
+        summarise(by_group, "  ")
     return 0
 
 
@@ -206,44 +310,33 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out")
     ap.add_argument("--steps", type=int, default=6, help="steps after the warm-up (the first is profiled)")
     ap.add_argument("--passes", type=int, default=2, choices=(1, 2),
-                    help="measure every configuration this many times, minutes apart (the lower median is kept)")
+                    help="measure every configuration this many times (the second in reverse order; the lower "
+                         "median is kept)")
     ap.add_argument("--current-profile", action="store_true",
-                    help="with --reuse: predict with this machine's cached profile, not the one saved with the run")
-    ap.add_argument("--cached-profile", action="store_true",
-                    help="use the cached hardware profile instead of calibrating again before measuring")
-    ap.add_argument("--only", type=str, default=None, help="comma-separated cell numbers to (re)measure")
+                    help="with --reuse: predict with this machine's cached profile, not the ones saved with the run")
+    ap.add_argument("--only", type=str, default=None,
+                    help="comma-separated configuration numbers to (re)measure, in new windows of their groups")
     args = ap.parse_args()
     _measuring_environment()
     models = build_models(args.models)
     cells = [CELLS[i] for i in QUICK] if args.quick else CELLS
     if not args.reuse:
-        from memfit.measure.hwcal import ensure_hardware_profile
-
-        # by default calibrate now: the machine's speed drifts (±20-30 % on a shared VM), so the benchmark
-        # compares the model with measurements taken in the same window as its calibration
-        rates, _ = ensure_hardware_profile(force=not args.cached_profile,
-                                           progress=lambda line: print(f"  calibrating {line}", file=sys.stderr))
-        print(f"calibration took {rates.took_seconds:.1f} s", file=sys.stderr)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "profile.json").write_text(json.dumps(rates.to_dict(), indent=1))
-        t0 = time.time()
+        only = [int(x) for x in args.only.split(",")] if args.only else None
+        t0, user_cache = time.time(), os.environ.get("MEMFIT_CACHE")
         print(f"load before: {os.getloadavg()}", file=sys.stderr)
-        if args.only:
-            idx = [int(x) for x in args.only.split(",")]
-            for i in idx:
-                measure_cells([cells[i]], models, args.out / f"tmp{i}", args.steps)
-                (args.out / f"tmp{i}" / "cell00.json").replace(args.out / f"cell{i:02d}.json")
+        for key, idx in groups_of(cells, only).items():
+            measure_group(key, idx, cells, models, args.out, args.steps, args.passes)
+        window_profile(args.out)
+        if user_cache is None:
+            os.environ.pop("MEMFIT_CACHE", None)
         else:
-            measure_cells(cells, models, args.out, args.steps)
-            for _ in range(args.passes - 1):  # again, minutes later: the lower median of the two is kept
-                measure_cells(cells, models, args.out / "pass2", args.steps)
+            os.environ["MEMFIT_CACHE"] = user_cache
         print(f"measured in {time.time() - t0:.0f} s; load after: {os.getloadavg()}", file=sys.stderr)
-    if (args.out / "profile.json").is_file() and not args.current_profile:
-        use_saved_profile(args.out / "profile.json")
-    return report(args.out, models)
+    return report(args.out, models, current_profile=args.current_profile)
 
 
-def use_saved_profile(path: Path) -> None:
+def use_saved_profile(path: Path, quiet: bool = False) -> None:
     """Predict with the profile calibrated in the measurements' window (saved beside them), not with
     whatever this machine's cache holds now: a fresh cache folder holding only that file."""
     import tempfile
@@ -254,7 +347,8 @@ def use_saved_profile(path: Path) -> None:
     cache = Path(tempfile.mkdtemp(prefix="memfit-time-grid-cache-"))
     os.environ["MEMFIT_CACHE"] = str(cache)
     hwprofile.save(rates, hwprofile.profile_path(rates.fingerprint))
-    print(f"predicting with the profile of the run ({path}, measured {rates.measured_at})", file=sys.stderr)
+    if not quiet:
+        print(f"predicting with {path} (measured {rates.measured_at})", file=sys.stderr)
 
 
 if __name__ == "__main__":
