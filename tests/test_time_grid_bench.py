@@ -1,0 +1,44 @@
+"""bench/time_grid.py's bookkeeping: groups in grid order, the run's profile as the median of every
+calibration it took, Kendall's tau (no measuring here)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import time_grid as tg  # noqa: E402
+
+from memfit.spec import hwprofile  # noqa: E402
+
+
+def test_groups_in_grid_order():
+    groups = tg.groups_of(tg.CELLS)
+    assert list(groups) == ["llama-256", "llama-1024", "qwen2-128", "qwen2-512"]
+    assert groups["llama-1024"] == [8, 9, 10, 11]
+    assert tg.groups_of(tg.CELLS, only=[1, 13, 14]) == {"llama-256": [1], "qwen2-128": [13, 14]}
+
+
+def test_kendall_tau_hand_computed():
+    assert tg.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert tg.kendall_tau([1, 2, 3, 4], [20, 10, 30, 40]) == pytest.approx(4 / 6)  # one pair of six swapped
+
+
+def _group_profile(path: Path, op_seconds: list[float], bandwidth: list[float]) -> None:
+    """A group window's saved profile: its calibrations (the history) and their merged figures."""
+    from test_time_model import rates
+
+    history = [{k: getattr(rates(op_seconds=o, bandwidth={"1": b}), k) for k in hwprofile.MEASURED}
+               | {"measured_unix": 1000.0 + i} for i, (o, b) in enumerate(zip(op_seconds, bandwidth))]
+    merged = rates(op_seconds=op_seconds[-1], bandwidth={"1": bandwidth[-1]}, history=history)
+    path.write_text(json.dumps(merged.to_dict()))
+
+
+def test_window_profile_is_the_median_of_every_calibration(tmp_path):
+    _group_profile(tmp_path / "profile-a-1.json", [1e-5, 3e-5], [1e10, 2e10])
+    _group_profile(tmp_path / "profile-b-2.json", [2e-5, 9e-5], [4e10, 8e10])
+    saved = hwprofile.HardwareRates.from_dict(json.loads(tg.window_profile(tmp_path).read_text()))
+    assert saved.op_seconds == pytest.approx(2.5e-5)  # median of 1, 3, 2, 9 (x 1e-5)
+    assert saved.bandwidth["1"] == pytest.approx(3e10)  # median of 1, 2, 4, 8 (x 1e10)
+    assert len(saved.history) == 4
