@@ -17,7 +17,8 @@ The grid is measured group by group (the configurations sharing a model and a se
 ranked against each other), each group inside its own calibration window: calibrate
 (`memfit calibrate --hardware`, in a cache folder of its own), measure the group's configurations, measure
 them again in reverse order (a drift during the group meets both ends of it; the lower median of the two passes
-is kept, since a neighbour on a shared machine only ever slows a step), calibrate again. The report
+is kept, since a neighbour on a shared machine only ever slows a step; ``--passes 3`` adds a third, in the
+first pass's order), calibrate again. The report
 predicts every configuration with the median of all the run's calibrations (``profile.json``: two per
 group, spread through the run; the rule memfit's own profile follows, since one calibration moves by
 ±20-30 % with its neighbours for tens of seconds), and prints the figures again with each group's own two
@@ -197,8 +198,9 @@ def measure_group(key: str, idx: list[int], cells: list[dict], models: dict[str,
     os.environ["MEMFIT_CACHE"] = str(cache)  # this window's calibrations only
     _calibrate(f"{key}, before")
     measure_cells([(i, cells[i]) for i in idx], models, out, steps)
-    if passes > 1:  # again in reverse order: a drift during the group meets both ends of it
-        measure_cells([(i, cells[i]) for i in reversed(idx)], models, out / "pass2", steps)
+    for k in range(2, passes + 1):  # again, every other pass in reverse order: a drift meets both ends
+        order = reversed(idx) if k % 2 == 0 else idx
+        measure_cells([(i, cells[i]) for i in order], models, out / f"pass{k}", steps)
     rates = _calibrate(f"{key}, after")
     (out / f"profile-{key}.json").write_text(json.dumps(rates.to_dict(), indent=1))
 
@@ -220,10 +222,10 @@ def window_profile(out: Path) -> Path:
     return path
 
 
-def _measured(rec: dict, again: dict | None) -> tuple[float, float, float]:
-    """(wall ms, CPU ms, spread %): the lower of the passes' medians (a neighbour on a shared machine only
+def _measured(rec: dict, again: list[dict]) -> tuple[float, float, float]:
+    """(wall ms, CPU ms, spread %): the lowest of the passes' medians (a neighbour on a shared machine only
     ever slows a step), and how far apart the passes were."""
-    ms = [rec["measured"]] + ([again["measured"]] if again and "error" not in again["measured"] else [])
+    ms = [rec["measured"]] + [a["measured"] for a in again if "error" not in a["measured"]]
     walls = [m["step_seconds"] * 1e3 for m in ms]
     cpus = [(m.get("step_cpu_seconds") or 0) * 1e3 for m in ms]
     return min(walls), min(cpus), 100 * (max(walls) / min(walls) - 1)
@@ -257,7 +259,7 @@ def summarise(rows: list[tuple], title: str) -> None:
             print(f"{title}pairs out of order (measured apart): " + (", ".join(out_of_order) or "none"))
 
 
-def predicted_rows(recs: list[tuple[int, dict]], second: dict, models: dict[str, Path], out: Path,
+def predicted_rows(recs: list[tuple[int, dict]], second: list[dict], models: dict[str, Path], out: Path,
                    fixed: Path | None = None, show: bool = False, saved: bool = True) -> tuple[list[tuple], str]:
     """(cell, pred, wall, cpu, wall err %, cpu err %) per measured configuration; each predicted with its
     group's profile, or with ``fixed`` for every row (``saved=False``: with this machine's cached profile)."""
@@ -273,11 +275,12 @@ def predicted_rows(recs: list[tuple[int, dict]], second: dict, models: dict[str,
             use_saved_profile(path, quiet=not show)
             current = path
         pred, basis = predict_ms(cell, models)
-        wall, cpu, apart = _measured(r, second.get(f"cell{i:02d}.json"))
+        again = [p[f"cell{i:02d}.json"] for p in second if f"cell{i:02d}.json" in p]
+        wall, cpu, apart = _measured(r, again)
         ew, ec = 100 * (pred / wall - 1), (100 * (pred / cpu - 1) if cpu else float("nan"))
         rows.append((cell, pred, wall, cpu, ew, ec))
         if show:
-            apart_txt = f"  {apart:5.1f} %" if f"cell{i:02d}.json" in second else ""
+            apart_txt = f"  {apart:5.1f} %" if again else ""
             print(f"{i:2d} {label(cell)} {pred:9.1f} {wall:9.1f} {ew:+6.1f} {cpu:9.1f} {ec:+6.1f}  "
                   f"{r['load'][0]:.1f}  {r.get('at', ''):8s}" + apart_txt)
     return rows, basis
@@ -285,7 +288,8 @@ def predicted_rows(recs: list[tuple[int, dict]], second: dict, models: dict[str,
 
 def report(out: Path, models: dict[str, Path], current_profile: bool = False) -> int:
     recs = [(int(p.stem[4:]), json.loads(p.read_text())) for p in sorted(out.glob("cell*.json"))]
-    second = {p.name: json.loads(p.read_text()) for p in (out / "pass2").glob("cell*.json")}
+    second = [{p.name: json.loads(p.read_text()) for p in d.glob("cell*.json")}
+              for d in sorted(out.glob("pass[0-9]*"))]
     print(" # model method eng   gc attn    seq mb np   pred ms   wall ms  err %    cpu ms  err %  load  at"
           "       passes apart")
     window = out / "profile.json"
@@ -309,8 +313,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out")
     ap.add_argument("--steps", type=int, default=6, help="steps after the warm-up (the first is profiled)")
-    ap.add_argument("--passes", type=int, default=2, choices=(1, 2),
-                    help="measure every configuration this many times (the second in reverse order; the lower "
+    ap.add_argument("--passes", type=int, default=2, choices=(1, 2, 3),
+                    help="measure every configuration this many times (every other pass in reverse order; the lowest "
                          "median is kept)")
     ap.add_argument("--current-profile", action="store_true",
                     help="with --reuse: predict with this machine's cached profile, not the ones saved with the run")

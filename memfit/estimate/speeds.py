@@ -69,6 +69,9 @@ class Speeds:
     # the model, per PEFT LoRA linear, eager attention's extra per layer; None: counted from op_seconds
     overheads: Optional[tuple] = None  # (layer, model, adapter, eager extra, checkpointing extra per layer or None)
     gemm_mid: tuple = ()  # (width, FLOP/s) measured between small and large, where calibrated
+    # SDPA at half the head dim (twice the heads, the same FLOPs), where calibrated (CPU): ((seq, FLOP/s), ...)
+    attention_half_d: tuple = ()
+    attention_head_dim: float = 0.0  # the head dim of ``attention``'s measurement
     # eager attention in two parts where calibrated (memfit.measure.hwcal.eager_parts): FLOP/s of its batched
     # products, and seconds per score value of the work on the b·H·s² matrix by its bytes (+ forward share)
     eager_bmm: float = 0.0
@@ -103,9 +106,20 @@ class Speeds:
         ``score_bytes``: log-interpolated in bytes between the calibrated sizes (clamped outside)."""
         return log_interp(self.eager_scores, score_bytes)
 
-    def attention_rate(self, seq: float) -> float:
-        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths)."""
-        return log_interp(self.attention, seq)
+    def attention_rate(self, seq: float, head_dim: float = 0.0) -> float:
+        """Attention FLOP/s at sequence length ``seq`` (log-interpolated between the measured lengths) and,
+        where the calibration timed SDPA at two head dims, at ``head_dim``: seconds per score = a + b·d
+        through the two (the fused kernel's softmax, mask and rescaling per score do not shrink with d:
+        at equal FLOPs d = 16 ran 1.11-1.72x as long as d = 32 on this CPU, d = 64 0.65-1.14x; docs/time.md)."""
+        rate = log_interp(self.attention, seq)
+        if not (self.attention_half_d and self.attention_head_dim and head_dim):
+            return rate
+        d1 = self.attention_head_dim
+        d2 = d1 / 2.0
+        t1, t2 = 12.0 * d1 / rate, 12.0 * d1 / log_interp(self.attention_half_d, seq)  # s per score at d1, d2
+        per_d = (t1 - t2 / 2.0) / (d1 - d2)  # t2 is per pair of half-width scores: per score t2 / 2
+        t = t1 + per_d * (head_dim - d1)
+        return 12.0 * head_dim / t if t > 0 and per_d >= 0 else rate
 
     def gemm(self, k: float, n: float) -> float:
         """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
@@ -180,6 +194,9 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
     curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in att.items())) if isinstance(att, dict) \
         else ((1.0, float(att) * gain * scale),)
     eager = (a_all.get("eager_parts") or {}).get(dt) if attention == "eager" else None
+    half = (a_all.get("sdpa_half_d") or {}).get(dt) if attention != "eager" and cpu else None
+    half_curve = tuple(sorted((float(k), float(v) * gain * scale) for k, v in half.items())) if half else ()
+    head_dim = float((a_all.get("shape") or [0, 0, 0, 0])[3]) if half_curve else 0.0
     bw = (_interp(rates.bandwidth, threads) if cpu else rates.bandwidth["device"]) * share
     if cpu and hw.gpus_per_node > 1:  # N processes stream through one memory system: each gets its part of the
         busy = min(rates.cores, threads * hw.gpus_per_node)  # bandwidth measured with all their threads running
@@ -206,6 +223,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
         overheads=_overheads(rates.overheads, (share if cpu else 1.0) / f_ops),
         gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
+        attention_half_d=half_curve, attention_head_dim=head_dim,
         # the cache-sized figure holds for CPU alone: torch's AdamW runs its single-tensor loop there (foreach
         # is CUDA's: torch/optim/optimizer.py _default_to_fused_or_foreach), each tensor's ~10 passes reusing
         # its cached state; on CUDA every foreach kernel sweeps all tensors, and the small calibration tensors

@@ -273,7 +273,7 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         attn_s = attn_fb / sp.eager_bmm * (1.0 + (1.0 / 3.0 if gc else 0.0)) + L * scores * sp.score_seconds(
             scores * e) * (1.0 + (sp.eager_scores_forward_share if gc else 0.0))
     else:
-        attn_s = attn_fb / sp.attention_rate(s) * (1.0 + (sp.attention_forward_share if gc else 0.0))
+        attn_s = attn_fb / sp.attention_rate(s, model.head_dim) * (1.0 + (sp.attention_forward_share if gc else 0.0))
     faults = 0.0
     if sp.first_touch:  # CPU: tensors above glibc's mmap threshold are new pages each time (memfit.estimate.faults)
         faults = sp.first_touch * fresh_bytes(b, s, model.heads, model.vocab, model.intermediate, L, e,

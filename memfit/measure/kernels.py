@@ -111,30 +111,40 @@ def gemm_rates(device: str, dtypes: list[str], timer: Timer) -> dict[str, dict[s
     return out
 
 
+def _sdpa_seconds(b: int, h: int, s: int, d: int, device: str, dt: torch.dtype, timer: Timer):
+    """(seconds of a causal SDPA forward + backward at (b, h, s, d), the forward alone as a callable)."""
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, h, s, d, device=device, dtype=dt)
+
+    def fn() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def step() -> None:
+        fn().backward(g)
+        q.grad = k.grad = v.grad = None
+    return timer(step, reps=3), fn
+
+
 def attention_rates(device: str, dtypes: list[str], timer: Timer, first_touch: float = 0.0) -> dict[str, dict]:
     """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches).
     SDPA is timed there (and its forward alone: what checkpointing's recomputation adds); eager is timed
     in its two parts (:func:`eager_parts`) and its curve at those lengths follows from them."""
     b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
     out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
+    if device == "cpu":  # and at half the head dim (twice the heads: the same FLOPs, twice the scores)
+        out["sdpa_half_d"] = {}
     shares = []
     for name in dtypes:
         dt = DTYPES[name]
         out["sdpa"][name] = {}
         for s in lengths:
-            q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
-            g = torch.randn(b, h, s, d, device=device, dtype=dt)
-
-            def fn() -> torch.Tensor:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            def step() -> None:
-                fn().backward(g)
-                q.grad = k.grad = v.grad = None
-            both = timer(step, reps=3)
+            both, fn = _sdpa_seconds(b, h, s, d, device, dt, timer)
             out["sdpa"][name][str(s)] = 12.0 * b * h * s * s * d / both
             if s == lengths[-1]:
                 shares.append(min(1.0, timer(fn, reps=3) / both))
+            if "sdpa_half_d" in out:  # the fused kernel's per-score work does not shrink with d (docs/time.md)
+                half, _ = _sdpa_seconds(b, 2 * h, s, d // 2, device, dt, timer)
+                out["sdpa_half_d"].setdefault(name, {})[str(s)] = 12.0 * b * h * s * s * d / half
     out["eager_parts"] = {name: eager_parts(device, name, timer, first_touch) for name in dtypes}
     for name, parts in out["eager_parts"].items():
         size = torch.tensor([], dtype=DTYPES[name]).element_size()
