@@ -216,7 +216,7 @@ def window_profile(out: Path) -> Path:
     groups = sorted(out.glob("profile-*.json"), key=lambda p: p.stat().st_mtime)
     history = [h for p in groups for h in json.loads(p.read_text()).get("history") or []]
     last = hwprofile.HardwareRates.from_dict(json.loads(groups[-1].read_text()))
-    merged = {k: hwprofile.median_of([h[k] for h in history if k in h]) for k in hwprofile.MEASURED}
+    merged = hwprofile.median_figures(history)
     path = out / "profile.json"
     path.write_text(json.dumps(replace(last, history=history, **merged).to_dict(), indent=1))
     return path

@@ -182,6 +182,11 @@ def median_of(values: list) -> Any:
     return values[-1]
 
 
+def median_figures(history: list) -> dict[str, Any]:
+    """Every measured table of the calibrations in ``history``, as their per-figure median."""
+    return {k: median_of([h[k] for h in history if k in h]) for k in MEASURED}
+
+
 def with_history(new: HardwareRates, previous: Optional[HardwareRates]) -> HardwareRates:
     """``new`` merged with the calibrations kept in ``previous`` (same machine and schema): the figures are
     the median of the last ``KEEP`` measured within ``WINDOW_SECONDS`` of ``new``. On a shared machine one
@@ -195,5 +200,5 @@ def with_history(new: HardwareRates, previous: Optional[HardwareRates]) -> Hardw
         [{k: asdict(previous)[k] for k in MEASURED} | {"measured_unix": previous.measured_unix}]
         if previous is not None else [])
     history = (kept + [own])[-KEEP:]
-    merged = {k: median_of([h[k] for h in recent(history) if k in h]) for k in MEASURED}
+    merged = median_figures(recent(history))
     return replace(new, history=history, **merged)
