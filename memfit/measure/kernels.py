@@ -19,6 +19,7 @@ figures) or the thread's CPU time (one-thread figures: a shared machine's other 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -37,10 +38,13 @@ class Timer:
     def __init__(self, device: str, one_thread: bool = False) -> None:
         self.device, self.one_thread = device, one_thread
 
-    def __call__(self, fn: Callable[[], None], reps: int = 9, cap: float = 0.4, min_reps: int = 3) -> float:
+    def __call__(self, fn: Callable[[], None], reps: int = 9, cap: float = 0.25, min_reps: int = 3,
+                 warmup: bool = True) -> float:
         """The median of the repetitions: what a training step meets (the best of a few on a shared
-        machine drifts by ±25 % between calibrations; the median of more, shorter ones far less)."""
-        fn()  # warm-up (allocations, kernel selection)
+        machine drifts by ±25 % between calibrations; the median of more, shorter ones far less).
+        ``warmup=False`` where every call starts cold anyway (fresh mmapped tensors each time)."""
+        if warmup:
+            fn()  # allocations, kernel selection
         times, start = [], time.perf_counter()
         for i in range(reps):
             times.append(self._once(fn))
@@ -94,8 +98,9 @@ def gemm_rates(device: str, dtypes: list[str], timer: Timer) -> dict[str, dict[s
         dt = DTYPES[name]
         out[name] = {}
         for cls, (m, k, n) in _gemm_shapes(device).items():
-            if device == "cpu" and name != "fp32":  # CPU bf16 GEMMs run ~10-30x slower: fewer rows
-                m = max(64, m // 8)
+            reps, cap = 9, 0.4
+            if device == "cpu" and name != "fp32":  # CPU bf16 GEMMs run ~10-30x slower: fewer rows, reps
+                m, reps, cap = max(16, m // 32), 5, 0.15
             x = torch.randn(m, k, device=device, dtype=dt, requires_grad=True)
             w = torch.randn(n, k, device=device, dtype=dt, requires_grad=True)
             g = torch.randn(m, n, device=device, dtype=dt)
@@ -103,7 +108,7 @@ def gemm_rates(device: str, dtypes: list[str], timer: Timer) -> dict[str, dict[s
             def step() -> None:
                 F.linear(x, w).backward(g)
                 x.grad = w.grad = None
-            out[name][cls] = 6.0 * m * k * n / timer(step)
+            out[name][cls] = 6.0 * m * k * n / timer(step, reps=reps, cap=cap)
         # LoRA runs both products: x·A (k -> r) and (x·A)·B (r -> n, ~10-20 % slower here): their mean rate
         out[name]["skinny"] = 2.0 / (1.0 / out[name]["skinny"] + 1.0 / out[name].pop("skinny_b"))
         out[name]["widths"] = {c: (k * n) ** 0.5 for c, (m, k, n) in _gemm_shapes(device).items()
@@ -161,7 +166,7 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
     * ``bmm`` — FLOP/s of its two batched products (q·kᵀ, p·v: 12·b·H·s²·d with their gradients);
     * ``scores`` — seconds per score value of the work on the b·H·s² matrix itself (scale, mask add,
       fp32 softmax, and their gradients), by the matrix's bytes: it runs from L2, L3 or memory as the matrix
-      grows (CPU: 1 MB fits L2, 16 MB the L3, 64 MB neither); ``scores_forward_share``: the forward's part
+      grows (CPU: 1 MB fits L2, 16 MB the L3, 32 MB with its gradient neither); ``scores_forward_share``: the forward's part
       (what checkpointing recomputes).
     The head dimension d scales the products only, so a model's eager step follows from both parts.
     """
@@ -176,7 +181,7 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
         q.grad = k.grad = v.grad = None
     out: dict = {"bmm": 12.0 * b * h * s * s * d / timer(products, reps=5), "scores": {}}
     shares = []
-    for b, h, s in ([(2, 16, 2048), (8, 16, 2048)] if device == "cuda" else [(1, 4, 256), (1, 4, 1024), (1, 16, 1024)]):
+    for b, h, s in ([(2, 16, 2048), (8, 16, 2048)] if device == "cuda" else [(1, 4, 256), (1, 4, 1024), (1, 8, 1024)]):
         x = torch.randn(b, h, s, s, device=device, dtype=dt, requires_grad=True)
         mask = torch.full((s, s), float("-inf"), device=device, dtype=dt).triu(1)
         gs = torch.randn(b, h, s, s, device=device, dtype=dt)
@@ -187,20 +192,21 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
         def both() -> None:
             forward().backward(gs)
             x.grad = None
-        t = timer(both, reps=3)
         nbytes = b * h * s * s * size
+        t = timer(both, reps=3, warmup=device != "cpu" or nbytes < GLIBC_MMAP_THRESHOLD_MAX)
         # the page faults of its five new matrices (scale, mask add, softmax; two gradients) when they are
         # above glibc's mmap threshold: counted apart by the time model (memfit.estimate.faults)
         faults = first_touch * nbytes * 5 if nbytes >= GLIBC_MMAP_THRESHOLD_MAX else 0.0
         out["scores"][str(nbytes)] = max(t - faults, 0.5 * t) / (b * h * s * s)
-        shares.append(min(1.0, timer(forward, reps=3) / t))
-    out["scores_forward_share"] = sorted(shares)[len(shares) // 2]
+        if not faults:  # the forward's share, where page faults do not blur it (and it costs least to time)
+            shares.append(min(1.0, timer(forward, reps=3) / t))
+    out["scores_forward_share"] = statistics.median(shares)
     return out
 
 
 def bandwidth_rate(device: str, timer: Timer) -> float:
     n = (64 if device == "cuda" else 4) * (1 << 20)
-    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    a, b = torch.full((n,), 1.5, device=device), torch.full((n,), 0.5, device=device)  # values do not matter
     c = torch.empty_like(a)
 
     def step() -> None:
@@ -364,7 +370,7 @@ def model_overheads(device: str, timer: Timer) -> dict[str, float]:
                 p.grad = None
         return step
     t = timer.interleaved({"two": step_of(2), "four": step_of(4), "lora": step_of(4, lora=True),
-                           "eager": step_of(4, attn="eager"), "gc": step_of(4, gc=True)})
+                           "eager": step_of(4, attn="eager"), "gc": step_of(4, gc=True)}, rounds=7)
     two, four = t["two"], t["four"]
     layer = max(0.0, (four - two) / 2)
     return {"layer": layer, "model": max(0.0, two - 2 * layer),
