@@ -1,6 +1,6 @@
 """Predicted vs measured step time on a grid of configurations on this machine.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # calibrate, measure + predict (~6 min quiet)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # calibrate, measure + predict (~11 min)
     .venv/bin/python bench/time_grid.py --reuse                      # re-predict the saved measurements
     .venv/bin/python bench/time_grid.py --quick                      # 6 configurations (smoke)
 
@@ -15,15 +15,15 @@ the steadier figure.
 
 The grid is measured group by group (the configurations sharing a model and a sequence length, the ones
 ranked against each other), each group inside its own calibration window: calibrate
-(`memfit calibrate --hardware`, in a cache folder of its own), measure the group's configurations, measure
-them again in reverse order (a drift during the group meets both ends of it; the lower median of the two passes
-is kept, since a neighbour on a shared machine only ever slows a step; ``--passes 3`` adds a third, in the
-first pass's order), calibrate again. The report
-predicts every configuration with the median of all the run's calibrations (``profile.json``: two per
-group, spread through the run; the rule memfit's own profile follows, since one calibration moves by
-±20-30 % with its neighbours for tens of seconds), and prints the figures again with each group's own two
-calibrations (``profile-<model>-<seq>.json``): this VM's speed also moves by 2x between phases lasting
-tens of minutes (docs/time.md), which those follow and the median of the run does not.
+(`memfit calibrate --hardware`, in a cache folder of its own), measure the group's configurations
+step-interleaved (memfit.measure.baton: all of them alive at once, each in its own process, one training step
+at a time in turn, so every configuration meets the same moments of a machine whose speed drifts by ±20-30 %
+within seconds; ``--sequential``: one configuration after another, as before), measure them again (in reverse
+order; the lower median of the two passes is kept, since a neighbour on a shared machine only ever slows a
+step; ``--passes 3`` adds a third), calibrate again. The report predicts every configuration with the median
+of all the run's calibrations (``profile.json``: two per group, spread through the run; the rule memfit's own
+profile follows), and prints the figures again with each group's own two calibrations
+(``profile-<model>-<seq>.json``).
 
 Prints per configuration the predicted and measured step, the error, and per group of configurations
 sharing a model and a sequence length the Kendall rank correlation of predicted vs measured order.
@@ -165,6 +165,43 @@ def measure_cells(cells: list[tuple[int, dict]], models: dict[str, Path], out: P
               f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 
 
+def measure_interleaved(cells: list[tuple[int, dict]], models: dict[str, Path], out: Path, steps: int) -> None:
+    """Measure ``(grid index, configuration)`` pairs all at once, step-interleaved (memfit.measure.baton):
+    every configuration in its own fresh process through memfit's trainer, one step at a time in turn, so
+    each meets the same moments of the machine; saved as ``cell<index>.json`` like :func:`measure_cells`."""
+    import tempfile
+    import threading
+
+    from memfit.errors import MemfitError
+    from memfit.measure.baton import Coordinator
+    from memfit.measure.runner import run_measured_process
+
+    out.mkdir(parents=True, exist_ok=True)
+    coordinator, results, threads = Coordinator(Path(tempfile.mkdtemp(prefix="memfit-baton-"))), {}, {}
+    t0, at = time.time(), time.strftime("%H:%M:%S")
+
+    def one(i: int, cell: dict, gate: dict) -> None:
+        try:
+            results[i] = run_measured_process(make_run(cell, models), warmup=1, steps=steps, categories=False,
+                                              threads=1, baton=gate)
+        except MemfitError as err:
+            results[i] = {"error": str(err)[:300]}
+    gates = {i: coordinator.gate_spec(f"cell{i}") for i, _ in cells}
+    for i, cell in cells:
+        threads[i] = threading.Thread(target=one, args=(i, cell, gates[i]), daemon=True)
+        threads[i].start()
+    coordinator.run([f"cell{i}" for i, _ in cells], lambda name: threads[int(name[4:])].is_alive())
+    for t in threads.values():
+        t.join()
+    coordinator.close()
+    for i, cell in cells:
+        rec = {"cell": cell, "measured": results.get(i, {"error": "no result"}), "load": os.getloadavg(), "at": at,
+               "interleaved": [j for j, _ in cells]}
+        (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
+    print(f"  measured {len(cells)} configurations step-interleaved  {time.time() - t0:.0f} s  "
+          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
 def group_key(cell: dict) -> str:
     return f"{cell['model']}-{cell['seq_len']}"
 
@@ -188,19 +225,21 @@ def _calibrate(what: str):
 
 
 def measure_group(key: str, idx: list[int], cells: list[dict], models: dict[str, Path], out: Path,
-                  steps: int, passes: int) -> None:
-    """One group in its own calibration window: calibrate, measure, measure again in reverse, calibrate;
-    the group's profile (the median of its two calibrations) saved as ``profile-<key>.json``."""
+                  steps: int, passes: int, interleave: bool = True) -> None:
+    """One group in its own calibration window: calibrate, measure (step-interleaved, or one configuration
+    after another), measure again (in reverse order), calibrate; the group's profile (the median of its two
+    calibrations) saved as ``profile-<key>.json``."""
     import shutil
 
     cache = out / "cache" / key
     shutil.rmtree(cache, ignore_errors=True)
     os.environ["MEMFIT_CACHE"] = str(cache)  # this window's calibrations only
     _calibrate(f"{key}, before")
-    measure_cells([(i, cells[i]) for i in idx], models, out, steps)
+    measure = measure_interleaved if interleave else measure_cells
+    measure([(i, cells[i]) for i in idx], models, out, steps)
     for k in range(2, passes + 1):  # again, every other pass in reverse order: a drift meets both ends
         order = reversed(idx) if k % 2 == 0 else idx
-        measure_cells([(i, cells[i]) for i in order], models, out / f"pass{k}", steps)
+        measure([(i, cells[i]) for i in order], models, out / f"pass{k}", steps)
     rates = _calibrate(f"{key}, after")
     (out / f"profile-{key}.json").write_text(json.dumps(rates.to_dict(), indent=1))
 
@@ -316,6 +355,8 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=2, choices=(1, 2, 3),
                     help="measure every configuration this many times (every other pass in reverse order; the lowest "
                          "median is kept)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="measure a group's configurations one after another, not step-interleaved")
     ap.add_argument("--current-profile", action="store_true",
                     help="with --reuse: predict with this machine's cached profile, not the ones saved with the run")
     ap.add_argument("--only", type=str, default=None,
@@ -330,7 +371,7 @@ def main() -> int:
         t0, user_cache = time.time(), os.environ.get("MEMFIT_CACHE")
         print(f"load before: {os.getloadavg()}", file=sys.stderr)
         for key, idx in groups_of(cells, only).items():
-            measure_group(key, idx, cells, models, args.out, args.steps, args.passes)
+            measure_group(key, idx, cells, models, args.out, args.steps, args.passes, not args.sequential)
         window_profile(args.out)
         if user_cache is None:
             os.environ.pop("MEMFIT_CACHE", None)

@@ -43,8 +43,9 @@ def write_json_atomic(obj: Any, path: Path) -> Path:
 class ProbeCallback(TrainerCallback):
     def __init__(self, *, warmup: int = 1, steps: int = 3, out_path: Optional[str] = None,
                  logits_bytes: Optional[Callable[[int], bool]] = None, categories: bool = True,
-                 expect_shape: Optional[tuple[int, int]] = None) -> None:
+                 expect_shape: Optional[tuple[int, int]] = None, gate: Any = None) -> None:
         self.warmup, self.steps = warmup, steps
+        self.gate = gate  # memfit.measure.baton.Gate: step only while holding the baton (interleaved runs)
         self.out_path = out_path
         self.logits_bytes = logits_bytes
         self.categories = categories
@@ -108,6 +109,8 @@ class ProbeCallback(TrainerCallback):
         self._model = model if model is not None else self._model
         self._optimizer = optimizer if optimizer is not None else self._optimizer
         step = state.global_step  # steps completed so far; this is step `step + 1`
+        if self.gate is not None:
+            self.gate.before_step()
         if self._measuring(step):
             if step == self.warmup:
                 P.reset_peak_rss()
@@ -119,9 +122,13 @@ class ProbeCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step - 1  # the step that just finished (0-based)
+        if self._measuring(step):
+            self._record(step)
+        if self.gate is not None:  # after the timing and the probe's own work: the next process steps now
+            self.gate.after_step(last=step + 1 >= min(state.max_steps, self.warmup + self.steps))
         self._check_shapes(step)
-        if not self._measuring(step):
-            return
+
+    def _record(self, step: int) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0

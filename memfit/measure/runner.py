@@ -91,8 +91,11 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: float = 1800,
                          categories: bool = True, threads: Optional[int] = None,
-                         keep_dir: Optional[Path] = None, fork_server: bool = True) -> dict[str, Any]:
+                         keep_dir: Optional[Path] = None, fork_server: bool = True,
+                         baton: Optional[dict] = None) -> dict[str, Any]:
     """Train ``run`` (a RunSpec) for warmup+steps steps in a fresh process; the merged ``measured``.
+    ``baton``: step only while holding it (memfit.measure.baton: several runs measured step-interleaved;
+    ``Coordinator.gate_spec``), in a new interpreter rather than the fork server (which runs one at a time).
 
     Single-process runs are forked from a fork server that imported torch/transformers once and has run
     no configuration (a new process each time, without the import cost); ``fork_server=False``, or a
@@ -103,7 +106,7 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
     work = Path(tempfile.mkdtemp(prefix="memfit-measure-"))
     try:
         spec = {"run": run.model_dump(mode="json"), "warmup": warmup, "steps": steps,
-                "out": str(work / "rank{rank}.json"), "categories": categories, "threads": threads}
+                "out": str(work / "rank{rank}.json"), "categories": categories, "threads": threads, "baton": baton}
         spec["run"]["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -117,7 +120,7 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
         from memfit.measure.probe import env_for_measurement
 
         log = work / "worker.log"
-        if nproc == 1 and fork_server:
+        if nproc == 1 and fork_server and baton is None:
             returncode = _run_forked(spec_path, log, timeout)
         else:
             with open(log, "w") as fh:

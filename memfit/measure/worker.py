@@ -88,6 +88,15 @@ def prepare_run(spec: dict[str, Any], workdir: Path):
     return run_from_dict(raw, source="measure spec")
 
 
+def _gate(baton: Optional[dict]):
+    """The step gate of an interleaved measurement (memfit.measure.baton), when the spec names one."""
+    if not baton:
+        return None
+    from memfit.measure.baton import Gate
+
+    return Gate(baton["folder"], baton["name"])
+
+
 def main(argv: list[str]) -> int:
     spec_path = Path(argv[0])
     spec = json.loads(spec_path.read_text())
@@ -122,7 +131,7 @@ def main(argv: list[str]) -> int:
     cb = ProbeCallback(warmup=int(spec["warmup"]), steps=int(spec["steps"]), out_path=spec["out"],
                        logits_bytes=logits_predicate(vocab, s.micro_batch_size, s.seq_len, s.loss),
                        categories=bool(spec.get("categories", True)),
-                       expect_shape=(s.micro_batch_size, s.seq_len))
+                       expect_shape=(s.micro_batch_size, s.seq_len), gate=_gate(spec.get("baton")))
     train(run, callbacks=[cb], data=data)
     return 0
 

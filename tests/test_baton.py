@@ -1,0 +1,74 @@
+"""Step-interleaved measurement (memfit.measure.baton): one step at a time, in turn, once all are ready."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+from memfit.measure.baton import Coordinator, Gate
+
+
+def _worker(folder, name, steps, log, lock, delay=0.0):
+    time.sleep(delay)  # a slow start-up (imports, model build): nobody may step before it is ready
+    with lock:
+        log.append((name, -1, "up", time.monotonic()))
+    gate = Gate(folder, name)
+    for k in range(steps):
+        gate.before_step()
+        with lock:
+            log.append((name, k, "start", time.monotonic()))
+        time.sleep(0.01)
+        with lock:
+            log.append((name, k, "end", time.monotonic()))
+        gate.after_step(last=k == steps - 1)
+    with lock:
+        log.append((name, steps, "released", time.monotonic()))
+
+
+def test_steps_alternate_one_at_a_time_after_everyone_is_ready(tmp_path):
+    co = Coordinator(tmp_path / "baton")
+    names, log, lock = ["a", "b", "c"], [], threading.Lock()
+    specs = {n: co.gate_spec(n) for n in names}
+    threads = {n: threading.Thread(target=_worker, args=(specs[n]["folder"], n, 3, log, lock, 0.3 if n == "c" else 0.0))
+               for n in names}
+    for t in threads.values():
+        t.start()
+    co.run(names, lambda n: threads[n].is_alive())
+    for t in threads.values():
+        t.join(10)
+    co.close()
+    steps = [e for e in log if e[2] in ("start", "end")]
+    # strictly one step at a time: start, end, start, end ...
+    assert [e[2] for e in steps] == ["start", "end"] * 9
+    # round-robin in the order given, every process's steps in turn
+    assert [(e[0], e[1]) for e in steps if e[2] == "start"] == [(n, k) for k in range(3) for n in names]
+    # the late starter was waited for; nobody was released before the last step of all
+    assert min(e[3] for e in steps) >= next(e[3] for e in log if e[0] == "c" and e[2] == "up")
+    last_end = max(e[3] for e in steps)
+    assert all(e[3] >= last_end for e in log if e[2] == "released")
+
+
+def test_a_process_that_dies_before_its_first_step_is_not_waited_for(tmp_path):
+    co = Coordinator(tmp_path / "baton")
+    log, lock = [], threading.Lock()
+    spec = co.gate_spec("a")
+    co.gate_spec("dead")  # never starts
+    t = threading.Thread(target=_worker, args=(spec["folder"], "a", 2, log, lock))
+    t.start()
+    co.run(["a", "dead"], lambda n: n == "a" and t.is_alive(), timeout=30)
+    t.join(10)
+    co.close()
+    assert [(e[0], e[1], e[2]) for e in log if e[2] != "up"] == [("a", 0, "start"), ("a", 0, "end"), ("a", 1, "start"),
+                                                  ("a", 1, "end"), ("a", 2, "released")]
+
+
+def test_probe_callback_passes_the_gate_around_each_step():
+    from memfit.measure.callback import ProbeCallback
+
+    calls = []
+    gate = SimpleNamespace(before_step=lambda: calls.append("before"),
+                           after_step=lambda last: calls.append(f"after last={last}"))
+    cb = ProbeCallback(warmup=2, steps=3, gate=gate)
+    for k in range(2):  # the warm-up steps (not timed) hold the baton too
+        cb.on_step_begin(None, SimpleNamespace(global_step=k, max_steps=2), None)
+        cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=2), None)
+    assert calls == ["before", "after last=False", "before", "after last=True"]
