@@ -53,3 +53,27 @@ def test_the_estimate_uses_the_models_head_dim():
     assert d16 / d32 == pytest.approx(T2 * 2 / T1)  # the same FLOPs, twice the scores at 7/11 the time each
     plain = cpu_pool(1, attention={k: {kk: v for kk, v in a.items() if kk != "sdpa_half_d"} for k, a in att.items()})
     assert estimate(_model(8), plain, st).time["attention_seconds"] == pytest.approx(d32)
+
+
+# eager attention's batched products (q·kᵀ, p·v) on the same line: their outputs do not shrink with d
+B1, B2 = 10e-9, 8e-9  # seconds per score at d = 32 and d = 16 (this CPU: 9-11 and 6.4-11.6 ns)
+
+
+def test_eager_products_at_the_head_dim_by_hand():
+    sp = replace(_speeds(half=False), eager_bmm=12 * 32 / B1, eager_bmm_half_d=12 * 32 / (2 * B2), eager_head_dim=32.0)
+    assert sp.eager_bmm_rate(32) == pytest.approx(12 * 32 / B1)
+    assert sp.eager_bmm_rate(16) == pytest.approx(12 * 16 / B2)  # 8 ns per score: 24 GFLOP/s, not 19.2 x 2
+    assert sp.eager_bmm_rate(64) == pytest.approx(12 * 64 / (B1 + 32 * (B1 - B2) / 16))  # 14 ns per score
+    assert replace(sp, eager_bmm_half_d=0.0).eager_bmm_rate(16) == pytest.approx(12 * 32 / B1)  # uncalibrated
+
+
+def test_the_eager_estimate_uses_the_models_head_dim():
+    parts = {"bmm": 12 * 32 / B1, "bmm_half_d": 12 * 32 / (2 * B2), "bmm_head_dim": 32,
+             "scores": {"1024": 1e-12}, "scores_forward_share": 0.5}
+    att = {k: {"eager": {"fp32": {"256": 1e9}}, "sdpa": {"fp32": {"256": R1}}, "shape": [1, 4, [256], 32],
+               "eager_parts": {"fp32": parts}} for k in ("1", "2")}
+    st = Strategy(method="full", seq_len=256, micro_batch_size=1, precision="fp32", attention="eager")
+    d32, d16 = (estimate(_model(h), cpu_pool(1, attention=att), st).time["attention_seconds"] for h in (4, 8))
+    scores = 4 * 256 * 256 * 2  # heads x s² x layers at d = 32; twice the heads at d = 16
+    assert d32 == pytest.approx(scores * (B1 + 1e-12), rel=1e-6)
+    assert d16 == pytest.approx(2 * scores * (B2 + 1e-12), rel=1e-6)

@@ -263,6 +263,7 @@ def test_micro_benchmarks_return_rates():
     assert set(att["eager"]["fp32"]) == set(att["sdpa"]["fp32"]) == {"256", "1024"}
     parts = att["eager_parts"]["fp32"]
     assert set(parts["scores"]) == {str(1 << 20), str(16 << 20), str(32 << 20)} and parts["bmm"] > 1e8
+    assert parts["bmm_half_d"] > 1e8 and parts["bmm_head_dim"] == 32  # the products at d / 2, twice the heads
     assert 0 < parts["scores_forward_share"] <= 1 and 0 < att["forward_share"]["sdpa"] <= 1
     assert min(att["eager"]["fp32"].values()) > 1e8 and min(att["sdpa"]["fp32"].values()) > 1e8
 

@@ -75,6 +75,8 @@ class Speeds:
     # eager attention in two parts where calibrated (memfit.measure.hwcal.eager_parts): FLOP/s of its batched
     # products, and seconds per score value of the work on the b·H·s² matrix by its bytes (+ forward share)
     eager_bmm: float = 0.0
+    eager_bmm_half_d: float = 0.0  # its products at half the head dim, twice the heads (CPU), where calibrated
+    eager_head_dim: float = 0.0  # the head dim of ``eager_bmm``'s measurement
     eager_scores: tuple = ()
     eager_scores_forward_share: float = 0.5
     attention_forward_share: float = 1.0 / 3.0  # the forward's share of attention's forward + backward time
@@ -114,12 +116,16 @@ class Speeds:
         rate = log_interp(self.attention, seq)
         if not (self.attention_half_d and self.attention_head_dim and head_dim):
             return rate
-        d1 = self.attention_head_dim
-        d2 = d1 / 2.0
-        t1, t2 = 12.0 * d1 / rate, 12.0 * d1 / log_interp(self.attention_half_d, seq)  # s per score at d1, d2
-        per_d = (t1 - t2 / 2.0) / (d1 - d2)  # t2 is per pair of half-width scores: per score t2 / 2
-        t = t1 + per_d * (head_dim - d1)
-        return 12.0 * head_dim / t if t > 0 and per_d >= 0 else rate
+        return at_head_dim(rate, log_interp(self.attention_half_d, seq), self.attention_head_dim, head_dim)
+
+    def eager_bmm_rate(self, head_dim: float = 0.0) -> float:
+        """FLOP/s of eager attention's two batched products (q·kᵀ, p·v) at ``head_dim``, where the calibration
+        timed them at two head dims: seconds per score = a + b·d, as SDPA's (their outputs, b·H·s² scores
+        and b·H·s·d values, do not shrink with d: at equal FLOPs d = 16 ran at 17-30 GFLOP/s on this CPU where
+        d = 32 ran at 36-42 and d = 64 at 47-49; docs/time.md)."""
+        if not (self.eager_bmm_half_d and self.eager_head_dim and head_dim):
+            return self.eager_bmm
+        return at_head_dim(self.eager_bmm, self.eager_bmm_half_d, self.eager_head_dim, head_dim)
 
     def gemm(self, k: float, n: float) -> float:
         """FLOP/s of a (tokens × k) · (k × n) linear: skinny below width 64, else log-width interpolation."""
@@ -232,8 +238,21 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         else (),
         adam_size=float(opt.get("tensor_params", 0.0)),
         eager_bmm=float(eager["bmm"]) * scale if eager else 0.0,
+        eager_bmm_half_d=float(eager.get("bmm_half_d") or 0.0) * scale if eager and cpu else 0.0,
+        eager_head_dim=float(eager.get("bmm_head_dim") or 0.0) if eager and cpu else 0.0,
         eager_scores=tuple(sorted((float(k), float(v) / scale) for k, v in eager["scores"].items())) if eager else (),
         eager_scores_forward_share=float(eager.get("scores_forward_share", 0.5)) if eager else 0.5)
+
+
+def at_head_dim(rate: float, rate_half: float, d1: float, head_dim: float) -> float:
+    """FLOP/s at ``head_dim`` of an attention kernel measured at head dim ``d1`` (``rate``) and at d1 / 2 with
+    twice the heads (``rate_half``: the same FLOPs over twice the scores): seconds per score = a + b·d through
+    the two points. A half-d point faster per score than d1's is noise: the measured ``rate`` then stands."""
+    d2 = d1 / 2.0
+    t1, t2 = 12.0 * d1 / rate, 12.0 * d1 / rate_half  # t2 is per pair of half-width scores: per score t2 / 2
+    per_d = (t1 - t2 / 2.0) / (d1 - d2)
+    t = t1 + per_d * (head_dim - d1)
+    return 12.0 * head_dim / t if t > 0 and per_d >= 0 else rate
 
 
 def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:

@@ -270,7 +270,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     attn_fb = 12.0 * b * s * s * model.q_dim * L
     if st.attention == "eager" and sp.eager_bmm:  # its products + the work on the b·H·s² scores, measured apart
         scores = float(b) * model.heads * s * s
-        attn_s = attn_fb / sp.eager_bmm * (1.0 + (1.0 / 3.0 if gc else 0.0)) + L * scores * sp.score_seconds(
+        bmm = sp.eager_bmm_rate(model.head_dim)
+        attn_s = attn_fb / bmm * (1.0 + (1.0 / 3.0 if gc else 0.0)) + L * scores * sp.score_seconds(
             scores * e) * (1.0 + (sp.eager_scores_forward_share if gc else 0.0))
     else:
         attn_s = attn_fb / sp.attention_rate(s, model.head_dim) * (1.0 + (sp.attention_forward_share if gc else 0.0))

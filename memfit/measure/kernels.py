@@ -163,12 +163,13 @@ def attention_rates(device: str, dtypes: list[str], timer: Timer, first_touch: f
 def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0) -> dict:
     """transformers' eager attention in its two parts, forward + backward:
 
-    * ``bmm`` — FLOP/s of its two batched products (q·kᵀ, p·v: 12·b·H·s²·d with their gradients);
+    * ``bmm`` — FLOP/s of its two batched products (q·kᵀ, p·v: 12·b·H·s²·d with their gradients); on a CPU
+      also ``bmm_half_d`` at half the head dim with twice the heads (the same FLOPs, twice the scores), from
+      which Speeds.eager_bmm_rate takes the model's head dim;
     * ``scores`` — seconds per score value of the work on the b·H·s² matrix itself (scale, mask add,
       fp32 softmax, and their gradients), by the matrix's bytes: it runs from L2, L3 or memory as the matrix
-      grows (CPU: 1 MB fits L2, 16 MB the L3, 32 MB with its gradient neither); ``scores_forward_share``: the forward's part
-      (what checkpointing recomputes).
-    The head dimension d scales the products only, so a model's eager step follows from both parts.
+      grows (CPU: 1 MB fits L2, 16 MB the L3, 32 MB with its gradient neither); ``scores_forward_share``: the
+      forward's part (what checkpointing recomputes).
     """
     dt = DTYPES[dtype]
     size = torch.tensor([], dtype=dt).element_size()
@@ -176,10 +177,16 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
     g = torch.randn(b, h, s, d, device=device, dtype=dt)
 
-    def products() -> None:
-        torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v).backward(g)
-        q.grad = k.grad = v.grad = None
-    out: dict = {"bmm": 12.0 * b * h * s * s * d / timer(products, reps=5), "scores": {}}
+    def products_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+        def products() -> None:
+            torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v).backward(g)
+            q.grad = k.grad = v.grad = None
+        return products
+    out: dict = {"bmm": 12.0 * b * h * s * s * d / timer(products_of(q, k, v, g), reps=5), "scores": {}}
+    if device == "cpu":  # and at half the head dim, twice the heads (the same FLOPs): Speeds.eager_bmm_rate
+        half = [torch.randn(b, 2 * h, s, d // 2, dtype=dt, requires_grad=True) for _ in range(3)]
+        t = timer(products_of(*half, torch.randn(b, 2 * h, s, d // 2, dtype=dt)), reps=5)
+        out["bmm_half_d"], out["bmm_head_dim"] = 12.0 * b * h * s * s * d / t, d
     shares = []
     for b, h, s in ([(2, 16, 2048), (8, 16, 2048)] if device == "cuda" else [(1, 4, 256), (1, 4, 1024), (1, 8, 1024)]):
         x = torch.randn(b, h, s, s, device=device, dtype=dt, requires_grad=True)
