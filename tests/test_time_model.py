@@ -257,6 +257,8 @@ def test_micro_benchmarks_return_rates():
     timer = H.Timer("cpu", one_thread=True)
     assert 1e8 < H.bandwidth_rate("cpu", timer) < 1e13
     assert 1e-8 < H.op_seconds("cpu", timer) < 1e-2
+    # a fresh 64 MB mapping's page faults and zeroing: ~0.6-0.9 ns per byte here, never ~0 (its own mapping)
+    assert 1e-12 < H.first_touch_seconds_per_byte(timer) < 1e-7
     adam = H.adamw_seconds("cpu", timer)
     assert 0 < adam["per_param"] < 1e-6 and adam["per_tensor"] >= 0
     att = H.attention_rates("cpu", ["fp32"], timer)

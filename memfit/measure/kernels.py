@@ -225,12 +225,20 @@ def bandwidth_rate(device: str, timer: Timer) -> float:
 def first_touch_seconds_per_byte(timer: Timer) -> float:
     """CPU: seconds per byte a fresh 64 MB tensor costs over writing one that exists — glibc serves it
     with mmap (above its 32 MiB threshold ceiling), the kernel maps and zeroes each page on first touch
-    (memfit.estimate.faults)."""
+    (memfit.estimate.faults). The fresh tensor is an anonymous mapping of its own (mapped, written, unmapped),
+    not ``torch.empty``: in a long-lived process glibc may serve 64 MB from freed heap chunks whose pages
+    exist, and the figure then read ~0 (three of eight calibrations inside bench/time_grid.py, 2026-12-01)."""
+    import mmap
+
     n = 16 << 20  # 64 MB of fp32
     kept = torch.empty(n)
 
     def fresh() -> None:
-        torch.empty(n).fill_(1.0)
+        region = mmap.mmap(-1, 4 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as glibc maps it
+        values = torch.frombuffer(region, dtype=torch.float32)
+        values.fill_(1.0)
+        del values
+        region.close()
     t = timer.interleaved({"fresh": fresh, "kept": lambda: kept.fill_(1.0)}, rounds=5)
     return max(0.0, t["fresh"] - t["kept"]) / (4.0 * n)
 
