@@ -169,6 +169,7 @@ def measure_interleaved(cells: list[tuple[int, dict]], models: dict[str, Path], 
     """Measure ``(grid index, configuration)`` pairs all at once, step-interleaved (memfit.measure.baton):
     every configuration in its own fresh process through memfit's trainer, one step at a time in turn, so
     each meets the same moments of the machine; saved as ``cell<index>.json`` like :func:`measure_cells`."""
+    import shutil
     import tempfile
     import threading
 
@@ -194,6 +195,7 @@ def measure_interleaved(cells: list[tuple[int, dict]], models: dict[str, Path], 
     for t in threads.values():
         t.join()
     coordinator.close()
+    shutil.rmtree(coordinator.folder, ignore_errors=True)  # its named pipes
     for i, cell in cells:
         rec = {"cell": cell, "measured": results.get(i, {"error": "no result"}), "load": os.getloadavg(), "at": at,
                "interleaved": [j for j, _ in cells]}
