@@ -147,6 +147,12 @@ def predict_ms(cell: dict, models: dict[str, Path]) -> tuple[float, str]:
     return d["time"]["step_seconds"] * 1e3, d["time"]["basis"]
 
 
+def _save(out: Path, i: int, cell: dict, measured: dict, at: str, **extra) -> None:
+    """One configuration's record, ``cell<index>.json``: what was run, measured, the load and when."""
+    rec = {"cell": cell, "measured": measured, "load": os.getloadavg(), "at": at, **extra}
+    (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
+
+
 def measure_cells(cells: list[tuple[int, dict]], models: dict[str, Path], out: Path, steps: int) -> None:
     """Measure ``(grid index, configuration)`` pairs in this order, each record saved as ``cell<index>.json``."""
     from memfit.errors import MemfitError
@@ -159,8 +165,7 @@ def measure_cells(cells: list[tuple[int, dict]], models: dict[str, Path], out: P
             m = run_measured_process(make_run(cell, models), warmup=1, steps=steps, categories=False, threads=1)
         except MemfitError as err:
             m = {"error": str(err)[:300]}
-        rec = {"cell": cell, "measured": m, "load": os.getloadavg(), "at": time.strftime("%H:%M:%S")}
-        (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
+        _save(out, i, cell, m, time.strftime("%H:%M:%S"))
         print(f"  measured {n + 1}/{len(cells)} #{i} {label(cell)}  {time.time() - t0:.0f} s  "
               f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 
@@ -197,9 +202,7 @@ def measure_interleaved(cells: list[tuple[int, dict]], models: dict[str, Path], 
     coordinator.close()
     shutil.rmtree(coordinator.folder, ignore_errors=True)  # its named pipes
     for i, cell in cells:
-        rec = {"cell": cell, "measured": results.get(i, {"error": "no result"}), "load": os.getloadavg(), "at": at,
-               "interleaved": [j for j, _ in cells]}
-        (out / f"cell{i:02d}.json").write_text(json.dumps(rec, indent=1))
+        _save(out, i, cell, results.get(i, {"error": "no result"}), at, interleaved=[j for j, _ in cells])
     print(f"  measured {len(cells)} configurations step-interleaved  {time.time() - t0:.0f} s  "
           f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 

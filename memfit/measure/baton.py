@@ -107,7 +107,15 @@ class Coordinator:
         name, _, word = line.decode().partition(" ")
         return name, word
 
-    def run(self, names: list[str], alive: Callable[[str], bool], timeout: float = 3600.0, turn: int = 1) -> None:
+    def _step(self, name: str, alive: Callable[[str], bool]) -> Optional[str]:
+        """Hand ``name`` the baton for one step: its word after the step (done / last), None if it died."""
+        os.write(self._go[name], b"g")
+        while True:  # other processes' "ready" lines (they wait between steps) are not answers
+            got = self._next(alive, [name])
+            if got is None or (got[0] == name and got[1] != READY):
+                return None if got is None else got[1]
+
+    def run(self, names: list[str], alive: Callable[[str], bool], timeout: float = 3600.0) -> None:
         live, ready, start = list(names), set(), time.monotonic()
         while ready != set(live):  # everyone started, imported, built its model: no start-up beside a step
             got = self._next(alive, [n for n in live if n not in ready])
@@ -119,21 +127,11 @@ class Coordinator:
         finished: list[str] = []
         while live and time.monotonic() - start < timeout:
             for name in list(live):
-                for _ in range(turn):
-                    os.write(self._go[name], b"g")
-                    got = None
-                    while got is None or got[0] != name or got[1] == READY:
-                        got = self._next(alive, [name])
-                        if got is None:
-                            break
-                    if got is None or got[1] == LAST:
-                        break
-                if got is None or got[1] == LAST:
+                word = self._step(name, alive)
+                if word in (None, LAST):
                     live.remove(name)
-                    if got is not None:
+                    if word == LAST:
                         finished.append(name)
-                    continue
-                # the process is between steps; its next "ready" arrives before its next baton
         for name in finished:  # every process has run its steps: let them all tear down
             os.write(self._go[name], b"g")
 
