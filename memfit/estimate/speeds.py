@@ -41,7 +41,30 @@ def log_interp(pts, x: float) -> float:
             f = math.log(x / x0) / math.log(x1 / x0) if x1 > x0 else 1.0
             return math.exp((1 - f) * math.log(y0) + f * math.log(y1))
     return pts[-1][1]
+
+
 CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel does (the lower triangle)
+# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp at torch 2.13,
+# flash_attention_kernel_impl / flash_attention_backward_kernel_impl): query blocks of 256 rows from 768 tokens,
+# 64 from 192, else 32; key blocks of 512. A causal query block stops after the key block that holds its last
+# row, so the scores above the diagonal are skipped only in whole 512-key blocks (cpu_flash_work)
+CPU_FLASH_Q_BLOCKS = ((768, 256), (192, 64), (0, 32))
+CPU_FLASH_KV_BLOCK = 512
+CPU_FLASH_SHORT = 192  # below it the 32-row query blocks run ~15 % slower per score (docs/time.md, "attention")
+
+
+def cpu_flash_work(seq: float) -> float:
+    """The share of the s² causal scores torch's CPU flash kernel computes, forward and backward alike:
+    1.0 up to 512 tokens (one key block), 0.78 at 768, 0.75 at 1024, 0.63 at 2048. Per computed score its
+    speed is flat: d = 16 ran at 34, 34, 33, 33 GFLOP/s per computed score at 256, 512, 768, 1024 tokens on
+    this CPU where the s² count read 34, 34, 42, 44 (docs/time.md, "attention")."""
+    s = max(1, int(round(seq)))
+    q = next(rows for start, rows in CPU_FLASH_Q_BLOCKS if s >= start)
+    done = 0
+    for m in range(0, s, q):
+        rows = min(q, s - m)
+        done += rows * min(-(-(m + rows) // CPU_FLASH_KV_BLOCK) * CPU_FLASH_KV_BLOCK, s)
+    return done / float(s * s)
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,7 @@ class Speeds:
     bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
     adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
+    cpu_flash: bool = False  # SDPA runs torch's CPU flash kernel: its block layout sets the work (cpu_flash_work)
 
     def bus(self, op: str) -> float:
         """Bus bytes/s of the collective ``op`` (all_reduce | all_gather | reduce_scatter): measured per
@@ -113,10 +137,20 @@ class Speeds:
         where the calibration timed SDPA at two head dims, at ``head_dim``: seconds per score = a + b·d
         through the two (the fused kernel's softmax, mask and rescaling per score do not shrink with d:
         at equal FLOPs d = 16 ran 1.11-1.72x as long as d = 32 on this CPU, d = 64 0.65-1.14x; docs/time.md)."""
-        rate = log_interp(self.attention, seq)
+        rate = self._at_seq(self.attention, seq)
         if not (self.attention_half_d and self.attention_head_dim and head_dim):
             return rate
-        return at_head_dim(rate, log_interp(self.attention_half_d, seq), self.attention_head_dim, head_dim)
+        return at_head_dim(rate, self._at_seq(self.attention_half_d, seq), self.attention_head_dim, head_dim)
+
+    def _at_seq(self, curve: tuple, seq: float) -> float:
+        """A measured (seq, FLOP/s by the s² count) curve at ``seq``. For torch's CPU flash kernel the curve is
+        first turned into FLOP/s per computed score (× cpu_flash_work), read among the points on the same side
+        of CPU_FLASH_SHORT where there are any, and turned back."""
+        if not self.cpu_flash:
+            return log_interp(curve, seq)
+        per = tuple((x, y * cpu_flash_work(x)) for x, y in curve)
+        same = tuple(pt for pt in per if (pt[0] < CPU_FLASH_SHORT) == (seq < CPU_FLASH_SHORT))
+        return log_interp(same or per, seq) / cpu_flash_work(seq)
 
     def eager_bmm_rate(self, head_dim: float = 0.0) -> float:
         """FLOP/s of eager attention's two batched products (q·kᵀ, p·v) at ``head_dim``, where the calibration
@@ -229,7 +263,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
         dequant=((rates.dequant or {}).get("nf4") or cat.dequant) * (share if cpu else 1.0), peak=cat.peak,
         overheads=_overheads(rates.overheads, (share if cpu else 1.0) / f_ops),
         gemm_mid=(g["widths"]["medium"], g["medium"] * scale) if "medium" in g else (),
-        attention_half_d=half_curve, attention_head_dim=head_dim,
+        attention_half_d=half_curve, attention_head_dim=head_dim, cpu_flash=cpu and attention != "eager",
         # the cache-sized figure holds for CPU alone: torch's AdamW runs its single-tensor loop there (foreach
         # is CUDA's: torch/optim/optimizer.py _default_to_fused_or_foreach), each tensor's ~10 passes reusing
         # its cached state; on CUDA every foreach kernel sweeps all tensors, and the small calibration tensors
@@ -294,7 +328,7 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
         overlap_dispatch=not gpu.is_cpu, adam_per_param=p.gpu_optimizer_seconds_per_param if not gpu.is_cpu
         else 4 * 8.0 / bw, adam_per_tensor=op_s, cpu_adam_per_param=1.0 / p.cpu_adam_params_per_second,
         bus_bandwidth=bus, collective_latency=p.collective_latency_seconds, h2d=pcie, d2h=pcie,
-        dequant=bw / 2.5, peak=peak)
+        dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager")
 
 
 def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:

@@ -60,9 +60,10 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
 def concurrency(rank: int, barrier: Callable[[], None], rounds: int = 3) -> Optional[dict[str, float]]:
     """How much slower one-thread work runs in each process when every rank runs it at once (CPU): rank 0
     times a GEMM (forward + backward) and a loop of small autograd ops alone while the others wait, then
-    all ranks run them together; the median over ``rounds`` alternations of together / alone, by kind.
+    all ranks run them together; the mean over ``rounds`` alternations of together / alone, by kind.
     Processes on their own cores still share what the machine shares (caches, SMT siblings, a VM host's
-    cores): on this 2-vCPU machine 1.0-1.9x per process, varying minute to minute (docs/time.md)."""
+    cores): on this 2-vCPU machine 1.0x, or ~1.9x for seconds at a time (docs/time.md); a run meets the mean
+    (the profile merges calibrations by it too: memfit.spec.hwprofile.MEAN_FIGURES)."""
     import torch.nn.functional as F
 
     x, w = torch.randn(512, 384, requires_grad=True), torch.randn(384, 384, requires_grad=True)
@@ -86,7 +87,7 @@ def concurrency(rank: int, barrier: Callable[[], None], rounds: int = 3) -> Opti
         both = {"gemm": timer(gemm, reps=3, cap=0.03), "ops": timer(ops, reps=3, cap=0.03)}
         for k in alone:
             ratios[k].append(both[k] / alone[k])
-    return {k: max(1.0, sorted(v)[len(v) // 2]) for k, v in ratios.items()} if rank == 0 else None
+    return {k: sum(max(1.0, r) for r in v) / len(v) for k, v in ratios.items()} if rank == 0 else None
 
 
 OUTLIER = 20.0  # a call slower than this x the median is another process's preemption, left out

@@ -131,10 +131,11 @@ def _sdpa_seconds(b: int, h: int, s: int, d: int, device: str, dt: torch.dtype, 
 
 
 def attention_rates(device: str, dtypes: list[str], timer: Timer, first_touch: float = 0.0) -> dict[str, dict]:
-    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches).
+    """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches) and, on
+    a CPU, at 128 (torch's flash kernel takes 32-row query blocks below 192 tokens: memfit.estimate.speeds).
     SDPA is timed there (and its forward alone: what checkpointing's recomputation adds); eager is timed
     in its two parts (:func:`eager_parts`) and its curve at those lengths follows from them."""
-    b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (256, 1024))
+    b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (128, 256, 1024))
     out: dict[str, dict] = {"eager": {}, "sdpa": {}, "shape": [b, h, list(lengths), d]}
     if device == "cpu":  # and at half the head dim (twice the heads: the same FLOPs, twice the scores)
         out["sdpa_half_d"] = {}

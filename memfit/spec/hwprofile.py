@@ -169,14 +169,25 @@ def recent(history: list) -> list:
     return [h for h in history if float(h.get("measured_unix") or 0.0) >= newest - WINDOW_SECONDS]
 
 
-def median_of(values: list) -> Any:
-    """The per-figure median of several measurements of one table (nested dicts of numbers); a figure that
-    some lack is the median of those that have it; anything not a number is the newest's."""
+# figures merged by their mean: how much slower N processes run side by side (collectives' "concurrency") is
+# a two-state mixture on a shared host: 1.0x, or ~1.9x for seconds at a time while the host runs both vCPUs
+# on one core (1 calibration in 8 caught it in each of the grid runs tg21 and tg22; docs/time.md). A run
+# lasting minutes meets the mixture's mean; the median of a few calibrations reads 1.0 and misses it.
+MEAN_FIGURES = ("concurrency",)
+
+
+def median_of(values: list, mean: bool = False) -> Any:
+    """The per-figure median of several measurements of one table (nested dicts of numbers; the mean under
+    a key of MEAN_FIGURES); a figure that some lack is merged from those that have it; anything not a
+    number is the newest's."""
     if all(isinstance(v, dict) for v in values):
         keys = [k for v in values for k in v]
-        return {k: median_of([v[k] for v in values if k in v]) for k in dict.fromkeys(keys)}
+        return {k: median_of([v[k] for v in values if k in v], mean or k in MEAN_FIGURES)
+                for k in dict.fromkeys(keys)}
     nums = sorted(v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool))
     if nums and len(nums) == len(values):
+        if mean:
+            return sum(nums) / len(nums)
         mid = len(nums) // 2
         return nums[mid] if len(nums) % 2 else (nums[mid - 1] + nums[mid]) / 2.0
     return values[-1]
