@@ -5,7 +5,9 @@ attention's two batched products (q·kᵀ, p·v).
     OMP_NUM_THREADS=1 .venv/bin/python bench/attention_head_dim.py      # ~15 s
 
 Prints per kernel and sequence length the median of 7 calls at (heads 4, d 32), (8, 16) and (2, 64), b = 1
-(SDPA causal), and the d = 64 figure predicted by the line through the other two.
+(SDPA causal), and the d = 64 figure predicted by the line through the other two. Then SDPA (h 8, d 16)
+across sequence lengths: GFLOP/s by the s² count and per score torch's CPU flash kernel computes
+(memfit.estimate.speeds.cpu_flash_work: whole 512-key blocks), which stays flat from 192 tokens on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from memfit.estimate.speeds import cpu_flash_work
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -47,6 +51,10 @@ def main() -> None:
             pred64 = (per32 + (per32 - per16) / 16 * 32) * 2 * s * s
             print(f"{s:5d} {t32 * 1e3:8.2f} {t16 * 1e3:8.2f}  ({t16 / t32:4.2f}) {t64 * 1e3:8.2f}  "
                   f"({t64 / t32:4.2f})  {pred64 * 1e3:8.2f}")
+    print("SDPA h 8, d 16 across lengths\n  seq  work  GFLOP/s by s²  per computed score")
+    for s in (128, 160, 190, 192, 256, 384, 512, 768, 1024):
+        rate = 12 * 8 * s * s * 16 / seconds(sdpa, 1, 8, s, 16) / 1e9
+        print(f"{s:5d}  {cpu_flash_work(s):4.2f}  {rate:13.1f}  {rate * cpu_flash_work(s):18.1f}")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,22 @@ def test_fallback_under_fsdp_two_processes(assets):
     assert log["attempts"][1]["levers"]["gradient_checkpointing"] is True
     assert log["attempts"][1]["resumed_from"].endswith("checkpoint-2")
     assert result["steps"] == 4 and result["resumed_from"].endswith("checkpoint-2")
+
+
+def test_a_failed_attempt_names_the_ranks_own_error():
+    from memfit.train.fallback import _rank_error
+
+    stderr = """W1201 torch/distributed/run.py:...] Setting OMP_NUM_THREADS environment variable for each process
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4
+E1201 torch/distributed/elastic/multiprocessing/api.py:...] failed (exitcode: -6) local_rank: 1 (pid: 2199)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 2199
+============================================================"""
+    assert _rank_error(stderr) == (
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet' | "
+        "what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4 | "
+        "traceback : Signal 6 (SIGABRT) received by PID 2199")
+    assert _rank_error("a\nb\nc\nd") == "b | c | d"  # nothing recognisable: the last three lines, as before

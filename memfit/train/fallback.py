@@ -188,6 +188,19 @@ def _attempt_single(run: Any, resume: bool, callbacks: Sequence, limit: Optional
     return train(run, callbacks=[*callbacks, memory_guard(limit, inject_at)], resume=resume)
 
 
+RANK_ERROR = ("Error", "error:", "terminate called", "what():", "Exception", "Killed")
+
+
+def _rank_error(stderr: str) -> str:
+    """What a failed torchrun attempt says: the ranks' own last error lines (torchrun's closing summary
+    names only the signal, e.g. 'Signal 6 (SIGABRT) received by PID ...') and that summary's last line."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    own = [ln for ln in lines if any(k in ln for k in RANK_ERROR) and "ChildFailedError" not in ln
+           and "error_file" not in ln]
+    picked = own[-2:] + [ln for ln in lines[-3:] if "Signal" in ln or "exitcode" in ln][-1:]
+    return " | ".join(dict.fromkeys(picked or lines[-3:]))
+
+
 def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Optional[int], out: Path):
     """One attempt under torchrun; returns None on success, or the error text of an OOM'd rank."""
     import subprocess
@@ -209,8 +222,7 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
     if ooms:
         return "; ".join(f"rank {o['rank']}: {o['error']}" for o in ooms)
     if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {tail}")
+        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {_rank_error(proc.stderr)}")
     return None
 
 
