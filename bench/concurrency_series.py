@@ -20,15 +20,11 @@ import time
 
 def _worker(rank: int, queue, barrier, seconds: float, cycles: int) -> None:
     import torch
-    import torch.nn.functional as F
+
+    from memfit.measure.collective_bench import concurrency_gemm
 
     torch.set_num_threads(1)
-    x, w = torch.randn(512, 384, requires_grad=True), torch.randn(384, 384, requires_grad=True)
-    g = torch.randn(512, 384)
-
-    def gemm() -> None:
-        F.linear(x, w).backward(g)
-        x.grad = w.grad = None
+    gemm = concurrency_gemm()
 
     def median_for(sec: float) -> float:
         times, end = [], time.perf_counter() + sec

@@ -50,7 +50,8 @@ CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel
 # row, so the scores above the diagonal are skipped only in whole 512-key blocks (cpu_flash_work)
 CPU_FLASH_Q_BLOCKS = ((768, 256), (192, 64), (0, 32))
 CPU_FLASH_KV_BLOCK = 512
-CPU_FLASH_SHORT = 192  # below it the 32-row query blocks run ~15 % slower per score (docs/time.md, "attention")
+# 192: below it the 32-row query blocks run ~15 % slower per score (docs/time.md, "attention")
+CPU_FLASH_SHORT = CPU_FLASH_Q_BLOCKS[1][0]
 
 
 def cpu_flash_work(seq: float) -> float:

@@ -57,6 +57,19 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     dist.destroy_process_group()
 
 
+def concurrency_gemm() -> Callable[[], None]:
+    """The one-thread work :func:`concurrency` times: a 512 × 384 · 384 × 384 linear, forward + backward."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(512, 384, requires_grad=True), torch.randn(384, 384, requires_grad=True)
+    g = torch.randn(512, 384)
+
+    def gemm() -> None:
+        F.linear(x, w).backward(g)
+        x.grad = w.grad = None
+    return gemm
+
+
 def concurrency(rank: int, barrier: Callable[[], None], rounds: int = 3) -> Optional[dict[str, float]]:
     """How much slower one-thread work runs in each process when every rank runs it at once (CPU): rank 0
     times a GEMM (forward + backward) and a loop of small autograd ops alone while the others wait, then
@@ -64,14 +77,7 @@ def concurrency(rank: int, barrier: Callable[[], None], rounds: int = 3) -> Opti
     Processes on their own cores still share what the machine shares (caches, SMT siblings, a VM host's
     cores): on this 2-vCPU machine 1.0x, or ~1.9x for seconds at a time (docs/time.md); a run meets the mean
     (the profile merges calibrations by it too: memfit.spec.hwprofile.MEAN_FIGURES)."""
-    import torch.nn.functional as F
-
-    x, w = torch.randn(512, 384, requires_grad=True), torch.randn(384, 384, requires_grad=True)
-    g, small = torch.randn(512, 384), torch.randn(64, requires_grad=True)
-
-    def gemm() -> None:
-        F.linear(x, w).backward(g)
-        x.grad = w.grad = None
+    gemm, small = concurrency_gemm(), torch.randn(64, requires_grad=True)
 
     def ops() -> None:
         y = small

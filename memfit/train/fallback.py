@@ -222,7 +222,8 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
     if ooms:
         return "; ".join(f"rank {o['rank']}: {o['error']}" for o in ooms)
     if proc.returncode != 0:
-        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {_rank_error(proc.stderr)}")
+        said = _rank_error(proc.stderr)
+        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {said}")
     return None
 
 
