@@ -3,14 +3,16 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/trainer_overhead.py          # ~2 minutes
 
 On a Llama of width 16 (compute is nil) every configuration runs twice: through memfit's trainer
-(``memfit measure``'s path: a fresh process, 2 warm-up + 25 timed steps, the median of the window
-on_step_begin -> on_step_end) and as a bare loop in this process (forward, backward, clipping, AdamW,
+(``memfit measure``'s path: a fresh process, 2 warm-up + 25 timed steps, the median loop iteration,
+on_step_begin to the next on_step_begin, and of the step proper within it, on_step_begin -> on_step_end) and as a bare loop in this process (forward, backward, clipping, AdamW,
 zero_grad: what the Trainer runs besides its own code). The difference, in units of one small op
 (``memfit.measure.kernels.op_seconds``, measured beside it), is the Trainer's loop; it grows with the
 model's modules and parameters (``items``), which the Trainer walks every step — per micro-batch
 ``model.num_parameters(exclude_embeddings=True)`` for its FLOP count (transformers trainer.py
 ``floating_point_ops``), and ``model.zero_grad()`` / accelerate's ``clip_grad_norm_(model.parameters())``.
-Prints per configuration the measured op-units and what memfit.estimate.timing predicts.
+Prints per configuration the measured op-units — the whole iteration, and the part of it outside the step
+proper (the Trainer's logging and the next batch's fetch, measured within the same process, so steadier than
+the difference to the bare loop) — and what memfit.estimate.timing predicts.
 """
 
 from __future__ import annotations
@@ -84,25 +86,30 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="memfit-trainer-overhead-"))
     results: list[dict] = []
-    print(f"{'case':34s} {'window ms':>9s} {'bare ms':>8s} {'op us':>6s} {'ops':>5s} {'predicted ops':>13s}")
+    print(f"{'case':34s} {'iter ms':>8s} {'bare ms':>8s} {'op us':>6s} {'ops':>5s} {'outside':>7s} "
+          f"{'predicted ops':>13s}")
     for method, targets, ga, layers in CASES:
         folder = tiny_model(root / f"l{layers}", layers)
         strategy = {"method": method, "seq_len": 16, "micro_batch_size": 1, "grad_accum": ga, "precision": "fp32",
                     "lora_dropout": 0.0, **({"lora_targets": targets} if targets else {})}
         run = run_from_dict({"model": str(folder), "hardware": "local", "strategy": strategy,
                              "output_dir": str(root / "out")})
-        ops, windows, bares = [], [], []
+        ops, outside, windows, bares = [], [], [], []
         for _ in range(REPS):
-            window = run_measured_process(run, warmup=2, steps=25, categories=False, threads=1)["step_seconds"]
+            m = run_measured_process(run, warmup=2, steps=25, categories=False, threads=1)
+            window = m["step_seconds"]
             bare, op = bare_seconds(folder, method, targets, ga), op_seconds("cpu", Timer("cpu"))
             ops.append((window - bare) / op)
+            outside.append((window - m["step_window_seconds"]) / op)
             windows.append(window)
             bares.append(bare)
         t = predict(run)["time"]
         name = f"{method} {len(targets or [])} targets ga {ga} layers {layers}"
-        results.append({"case": name, "items": items_of(folder, method, targets), "ga": ga, "ops": ops})
-        print(f"{name:34s} {1e3 * min(windows):9.2f} {1e3 * min(bares):8.2f} {1e6 * op:6.1f} "
-              f"{statistics.median(ops):5.0f} {t.get('trainer_ops', float('nan')):13.0f}", flush=True)
+        results.append({"case": name, "items": items_of(folder, method, targets), "ga": ga, "ops": ops,
+                        "outside_ops": outside})
+        print(f"{name:34s} {1e3 * min(windows):8.2f} {1e3 * min(bares):8.2f} {1e6 * op:6.1f} "
+              f"{statistics.median(ops):5.0f} {statistics.median(outside):7.0f} "
+              f"{t.get('trainer_ops', float('nan')):13.0f}", flush=True)
     print(json.dumps(results))
     return 0
 

@@ -61,14 +61,48 @@ def test_a_process_that_dies_before_its_first_step_is_not_waited_for(tmp_path):
                                                   ("a", 1, "end"), ("a", 2, "released")]
 
 
-def test_probe_callback_passes_the_gate_around_each_step():
+class _FakeProbe:
+    """Stands in for the memory probe (started on the first measured step, stopped at its end)."""
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def start(self):
+        return self
+
+    def stop(self):
+        return None
+
+
+def test_probe_callback_holds_the_gate_over_whole_loop_iterations(monkeypatch):
+    """The baton passes at on_step_begin (the previous iteration's logging and the next batch's fetch ran
+    under it) and is given back for good after the final step, the one that ends the last timed one."""
     from memfit.measure.callback import ProbeCallback
 
     calls = []
     gate = SimpleNamespace(before_step=lambda: calls.append("before"),
                            after_step=lambda last: calls.append(f"after last={last}"))
-    cb = ProbeCallback(warmup=2, steps=3, gate=gate)
-    for k in range(2):  # the warm-up steps (not timed) hold the baton too
-        cb.on_step_begin(None, SimpleNamespace(global_step=k, max_steps=2), None)
-        cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=2), None)
-    assert calls == ["before", "after last=False", "before", "after last=True"]
+    monkeypatch.setattr("memfit.measure.probe.TensorMemoryProbe", _FakeProbe)
+    cb = ProbeCallback(warmup=0, steps=2, gate=gate)
+    for k in range(3):  # the probed step, the timed one, the step that ends the timed iteration
+        cb.on_step_begin(None, SimpleNamespace(global_step=k, max_steps=10), None)
+        calls.append(f"step {k}")
+        cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=10), None)
+    assert calls == ["before", "step 0", "after last=False", "before", "step 1",
+                     "after last=False", "before", "step 2", "after last=True"]
+    assert len(cb._times) == 1  # step 1's iteration, recorded when step 2 began
+
+
+def test_the_timed_window_is_the_whole_loop_iteration(monkeypatch):
+    """Work between on_step_end and the next on_step_begin (the Trainer's logging, its gathers, fetching
+    the next batch) is part of the timed step."""
+    from memfit.measure.callback import ProbeCallback
+
+    monkeypatch.setattr("memfit.measure.probe.TensorMemoryProbe", _FakeProbe)
+    cb = ProbeCallback(warmup=0, steps=3)
+    for k in range(4):
+        cb.on_step_begin(None, SimpleNamespace(global_step=k, max_steps=4), None)
+        time.sleep(0.01)  # the step proper
+        cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=4), None)
+        time.sleep(0.03)  # outside the step: logging, the next batch
+    assert len(cb._times) == 2 and all(0.04 <= t < 0.2 for t in cb._times), cb._times

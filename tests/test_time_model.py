@@ -84,7 +84,7 @@ def test_measured_rates_by_hand(monkeypatch):
     # dispatch as measured: per layer 1 ms + 7 adapters x 0.1 ms, + 2 ms for the rest of the model
     assert t["dispatch_seconds"] == pytest.approx(2 * (1e-3 + 7 * 1e-4) + 2e-3)
     # the Trainer's loop: 35 per step + 26 per micro-batch + PEFT's 30 + 14 adapted linears x (1.7 + 5.2) op costs
-    assert t["trainer_seconds"] == pytest.approx((35 + 26 + 30 + 14 * 6.9) * 1e-5)
+    assert t["trainer_seconds"] == pytest.approx((35 + 26 + 30 + 14 * 6.9 + 58 + 29) * 1e-5)
     # eager attention: its rate at s=8, log-interpolated between s=4 and 16 (sqrt(5e9 x 1.25e9) = 2.5e9),
     # and the extra dispatch per layer
     e = estimate(TINY, cpu_pool(), st.model_copy(update={"attention": "eager"})).time

@@ -50,6 +50,12 @@ class Profile:
     trainer_peft_ops: float = 30.0  # per optimizer step with a PEFT model (its wrappers)
     trainer_adapter_step_ops: float = 1.7  # per adapted linear and optimizer step
     trainer_adapter_micro_batch_ops: float = 5.2  # per adapted linear and micro-batch
+    # the loop around the step (after on_step_end, before the next on_step_begin), logging every step: the logged loss
+    # and grad norm's .item(), the log callbacks, store_flos; get_batch_samples fetching, collating and counting the next
+    # step's batches (bench/trainer_overhead.py "outside", measured within the same process: 80-97 ops at 1 micro-batch,
+    # 151-205 at 4, 2026-12-01 on this machine, op 7.1-7.8 us)
+    trainer_outside_step_ops: float = 58.0  # per optimizer step
+    trainer_outside_micro_batch_ops: float = 29.0  # per micro-batch
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
     # the sharded engines' host work on a CPU (memfit.estimate.engine_host; counted / measured on 2-rank gloo runs
     # of a 39-tensor h-256 Llama, docs/time.md "Sharded engines on a CPU"), in small-op costs (op_seconds)

@@ -33,8 +33,10 @@ def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: floa
 
 
 def trainer_loop_ops(p: Profile, ga: int, adapters: int) -> float:
-    """The HF Trainer's own work per optimizer step beyond the bare loop (forward, backward, clipping, AdamW),
+    """The HF Trainer's own work per loop iteration beyond the bare loop (forward, backward, clipping, AdamW),
     in small-op costs: per step, per micro-batch, and with a PEFT model its wrappers and a share per adapted
-    linear (bench/trainer_overhead.py measures each)."""
+    linear; then the loop around the step (logging, the next batch's fetch). bench/trainer_overhead.py
+    measures each."""
     peft = p.trainer_peft_ops + adapters * p.trainer_adapter_step_ops if adapters else 0.0
-    return p.trainer_step_ops + ga * (p.trainer_micro_batch_ops + adapters * p.trainer_adapter_micro_batch_ops) + peft
+    step = p.trainer_step_ops + ga * (p.trainer_micro_batch_ops + adapters * p.trainer_adapter_micro_batch_ops) + peft
+    return step + p.trainer_outside_step_ops + ga * p.trainer_outside_micro_batch_ops

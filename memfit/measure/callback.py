@@ -1,7 +1,10 @@
 """The probe as a ``transformers.TrainerCallback``: what it measures is exactly memfit's training step.
 
 Steps before ``warmup`` are excluded (the first step creates the optimizer state and warms caches). The
-first measured step runs under the memory probe; the following ones are timed without it. With
+first measured step runs under the memory probe; the following ones are timed without it, each over the whole
+loop iteration, ``on_step_begin`` to the next ``on_step_begin``: what a user's tokens/s meets, with the
+Trainer's work outside the step proper (fetching and counting the next batch, logging, its gathers across
+ranks). The last timed iteration therefore needs one more step after it (memfit.measure.worker runs it). With
 ``out_path`` set (``{rank}`` is replaced by the process rank), each rank writes its own JSON when
 training ends; the runner merges them.
 """
@@ -53,12 +56,14 @@ class ProbeCallback(TrainerCallback):
         self._model = self._optimizer = None
         self._t0 = self._c0 = 0.0
         self._times: list[float] = []
+        self._windows: list[float] = []  # on_step_begin -> on_step_end of the timed steps
         self._cpu_times: list[float] = []  # process CPU time per timed step (all threads; steadier than wall)
         self._profiled_time: Optional[float] = None
         self._probe_result: Optional[P.ProbeResult] = None
         self._rss_peak = 0
+        self._timing: Optional[int] = None  # the step whose iteration is being timed
+        self._holding = False  # this process holds the baton (gate) now
         self._context: Optional[int] = None
-        self._done = False
         self.expect_shape = tuple(expect_shape) if expect_shape else None
         self._shapes: list[tuple[int, ...]] = []
         self._hook = None
@@ -109,8 +114,13 @@ class ProbeCallback(TrainerCallback):
         self._model = model if model is not None else self._model
         self._optimizer = optimizer if optimizer is not None else self._optimizer
         step = state.global_step  # steps completed so far; this is step `step + 1`
+        if self._timing is not None:  # the previous timed iteration ends here
+            self._record_iteration()
         if self.gate is not None:
+            if self._holding:  # the previous iteration (its logging, the next batch) ran under the baton too
+                self.gate.after_step(last=False)
             self.gate.before_step()
+            self._holding = True
         if self._measuring(step):
             if step == self.warmup:
                 P.reset_peak_rss()
@@ -119,31 +129,35 @@ class ProbeCallback(TrainerCallback):
                                                   baseline=self._baseline).start()
             self._t0 = time.perf_counter()
             self._c0 = time.process_time()
+            self._timing = None if step == self.warmup else step
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step - 1  # the step that just finished (0-based)
-        if self._measuring(step):
-            self._record(step)
-        if self.gate is not None:  # after the timing and the probe's own work: the next process steps now
-            self.gate.after_step(last=step + 1 >= min(state.max_steps, self.warmup + self.steps))
+        if self._probe is not None:
+            self._record_probed()
+        elif self._timing == step:  # the step proper, without what the loop runs around it
+            self._windows.append(time.perf_counter() - self._t0)
+        if self.gate is not None and step + 1 >= min(state.max_steps, self.warmup + self.steps + 1):
+            self.gate.after_step(last=True)  # after the timing and the probe's own work
+            self._holding = False
         self._check_shapes(step)
 
-    def _record(self, step: int) -> None:
+    def _record_probed(self) -> None:
+        """The probed step: its memory, and its time from on_step_begin to on_step_end (probe included)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0
-        cpu_elapsed = time.process_time() - self._c0
-        if self._probe is not None:
-            self._probe_result = self._probe.stop()
-            self._probe = None
-            self._profiled_time = elapsed
-            self._rss_peak = P.peak_rss_bytes()
-        else:
-            self._times.append(elapsed)
-            self._cpu_times.append(cpu_elapsed)
-            self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
-        if step == self.warmup + self.steps - 1:
-            self._done = True
+        self._profiled_time = time.perf_counter() - self._t0
+        self._probe_result = self._probe.stop()
+        self._probe = None
+        self._rss_peak = P.peak_rss_bytes()
+
+    def _record_iteration(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._times.append(time.perf_counter() - self._t0)
+        self._cpu_times.append(time.process_time() - self._c0)
+        self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
+        self._timing = None
 
     def on_train_end(self, args, state, control, **kw):
         if self._hook is not None:
@@ -172,8 +186,12 @@ class ProbeCallback(TrainerCallback):
             "step_seconds": step_s,
             "step_seconds_profiled": self._profiled_time,
             "step_seconds_all": list(self._times),
+            # the step proper (on_step_begin -> on_step_end); the rest of the iteration is the Trainer's
+            # logging, its gathers and the next batch's fetch
+            "step_window_seconds": statistics.median(self._windows) if self._windows else None,
             "step_cpu_seconds": statistics.median(self._cpu_times) if self._cpu_times else None,
             "timed_steps": len(self._times),
+            "timed_window": "loop iteration (on_step_begin to the next on_step_begin)",
             "warmup_steps": self.warmup,
             "method": r.method,
             "raw_events_peak_bytes": r.raw_events_peak_bytes,

@@ -83,6 +83,8 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "components": top["components"],
         "step_seconds": most("step_seconds"),
         "step_cpu_seconds": most("step_cpu_seconds"),
+        "step_window_seconds": most("step_window_seconds"),
+        "timed_window": top.get("timed_window"),
         "method": top.get("method"),
         "ranks": ranks,
         **({"malloc_mmap_threshold": top["malloc_mmap_threshold"]} if "malloc_mmap_threshold" in top else {}),

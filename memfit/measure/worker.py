@@ -3,7 +3,8 @@
 SPEC holds the run (a RunSpec as a dict), warm-up and measured step counts and where each rank writes
 its figures. The worker trains the run through memfit's own trainer (``memfit.train.api.train``) with
 the probe attached as a callback, on random token ids (within the model's vocabulary) of exactly
-``micro_batch × seq_len`` per micro-step, for ``warmup + steps`` optimizer steps, no checkpoints. No
+``micro_batch × seq_len`` per micro-step, for ``warmup + steps`` optimizer steps (and one more that ends the
+last timed iteration), no checkpoints. No
 tokenizer is involved (a model folder without one measures the same shapes); the probe asserts every step
 ran the planned shapes.
 """
@@ -73,13 +74,15 @@ def logits_predicate(vocab: Optional[int], micro_batch: int, seq_len: int,
 
 
 def prepare_run(spec: dict[str, Any], workdir: Path):
-    """The RunSpec the worker trains: warmup+steps steps, no checkpoints, no eval (data: synthetic ids)."""
+    """The RunSpec the worker trains: warmup+steps steps (+1 that ends the last timed iteration), no
+    checkpoints, no eval (data: synthetic ids)."""
     from memfit.spec.run import run_from_dict
 
     base = run_from_dict(spec["run"], source="measure spec")
     s = base.strategy
     world = base.distributed.nproc * base.distributed.nodes
-    steps = int(spec["warmup"]) + int(spec["steps"])
+    # a timed step ends at the next step's begin (memfit.measure.callback): one untimed step closes the last
+    steps = int(spec["warmup"]) + int(spec["steps"]) + (1 if int(spec["steps"]) > 1 else 0)
     raw = base.model_dump(mode="json")
     raw["data"] = {"path": None, "format": "text", "eval_fraction": 0.0, "packing": False}
     raw["training"].update({"max_steps": steps, "epochs": None, "checkpoint_interval": 0,
