@@ -106,3 +106,30 @@ def test_the_timed_window_is_the_whole_loop_iteration(monkeypatch):
         cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=4), None)
         time.sleep(0.03)  # outside the step: logging, the next batch
     assert len(cb._times) == 2 and all(0.04 <= t < 0.2 for t in cb._times), cb._times
+
+
+def test_timed_steps_by_turn():
+    from memfit.measure.baton import timed_steps
+
+    # warm-up 1, probed step 1, 3 timed; one step per baton: 2, 3, 4 timed, step 5 ends the last
+    assert timed_steps(1, 4, 1) == ([2, 3, 4], 6)
+    # two steps per baton (turns start at even steps): each turn's first step re-warms, untimed
+    assert timed_steps(1, 4, 2) == ([3, 5, 7], 9)
+    assert timed_steps(2, 1, 2) == ([], 3)  # the probed step only
+
+
+def test_probe_callback_times_only_the_second_step_of_each_turn(monkeypatch):
+    from memfit.measure.callback import ProbeCallback
+
+    monkeypatch.setattr("memfit.measure.probe.TensorMemoryProbe", _FakeProbe)
+    calls = []
+    gate = SimpleNamespace(turn=2, before_step=lambda: calls.append("before"),
+                           after_step=lambda last: calls.append(f"after last={last}"))
+    cb = ProbeCallback(warmup=1, steps=3, gate=gate)  # probed 1; timed 3, 5; step 6 ends step 5's iteration
+    for k in range(7):
+        cb.on_step_begin(None, SimpleNamespace(global_step=k, max_steps=20), None)
+        calls.append(k)
+        cb.on_step_end(None, SimpleNamespace(global_step=k + 1, max_steps=20), None)
+    assert calls == ["before", 0, 1, "after last=False", "before", 2, 3, "after last=False", "before", 4, 5,
+                     "after last=False", "before", 6, "after last=True"]
+    assert len(cb._times) == 2

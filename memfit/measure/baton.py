@@ -10,6 +10,12 @@ Nothing runs beside a step but the other processes' own short work between steps
 next batch): they start, import and build their models before the first baton, and after their last step
 they wait until every other process has finished its own before tearing down.
 
+A process holds the baton for ``turn`` consecutive steps (2 by default) and only the later ones are timed:
+a step that follows other processes' work runs slower than one that follows its own previous step — a
+dispatch-bound 1 x 128 LoRA step read 27-29 ms after 0.1 s of other work (a Python loop, a matmul, a
+sleep), 20-24 ms back to back, 23-24 ms after one re-warming step (docs/time.md "Interleaved turns"),
+and a user's run steps back to back.
+
 Wire protocol (named pipes in one folder, each write under ``PIPE_BUF`` so it is atomic): every process
 writes ``"<name> ready"`` / ``"<name> done"`` / ``"<name> last"`` lines to ``coordinator``; the coordinator
 writes one byte to ``<name>.go`` to let it step (and once more to release it after its last step). In a
@@ -34,12 +40,24 @@ def _fifo(path: Path) -> int:
     return os.open(path, os.O_RDWR)
 
 
+def timed_steps(warmup: int, steps: int, turn: int = 1) -> tuple[list[int], int]:
+    """(the 0-based steps whose loop iteration is timed, the steps the run needs) for ``warmup`` steps, one
+    probed step and ``steps - 1`` timed ones, holding the baton ``turn`` steps at a time: the first step of
+    each turn (a multiple of ``turn``) re-warms and is not timed; one more step ends the last timed one."""
+    timed, step = [], warmup + 1
+    while len(timed) < steps - 1:
+        if turn <= 1 or step % turn:
+            timed.append(step)
+        step += 1
+    return timed, (timed[-1] + 2 if timed else warmup + 1)
+
+
 class Gate:
     """A measured process's side: ``before_step`` blocks until the baton arrives, ``after_step`` hands it
-    back (and after the last step waits for the release)."""
+    back (and after the last step waits for the release); ``turn``: steps per baton."""
 
-    def __init__(self, folder: str, name: str) -> None:
-        self.name = name
+    def __init__(self, folder: str, name: str, turn: int = 1) -> None:
+        self.name, self.turn = name, max(1, int(turn))
         self._to = _fifo(Path(folder) / "coordinator")
         self._go = _fifo(Path(folder) / f"{name}.go")
 
@@ -90,10 +108,10 @@ class Coordinator:
         self._buf = b""
         self._go: dict[str, int] = {}
 
-    def gate_spec(self, name: str) -> dict:
+    def gate_spec(self, name: str, turn: int = 2) -> dict:
         """What a measured process needs to find its gate (memfit.measure.worker reads ``baton``)."""
         self._go[name] = _fifo(self.folder / f"{name}.go")
-        return {"folder": str(self.folder), "name": name}
+        return {"folder": str(self.folder), "name": name, "turn": turn}
 
     def _next(self, alive: Callable[[str], bool], waiting: Iterable[str]) -> Optional[tuple[str, str]]:
         """The next (name, word) a process wrote; None when every process waited for has died."""

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from memfit.errors import MemfitError
 from memfit.measure import probe as P
+from memfit.measure.baton import timed_steps
 
 
 def process_rank() -> int:
@@ -49,6 +50,8 @@ class ProbeCallback(TrainerCallback):
                  expect_shape: Optional[tuple[int, int]] = None, gate: Any = None) -> None:
         self.warmup, self.steps = warmup, steps
         self.gate = gate  # memfit.measure.baton.Gate: step only while holding the baton (interleaved runs)
+        self.turn = getattr(gate, "turn", 1) if gate is not None else 1  # steps per baton
+        self._timed, self._total = timed_steps(warmup, steps, self.turn)
         self.out_path = out_path
         self.logits_bytes = logits_bytes
         self.categories = categories
@@ -82,7 +85,7 @@ class ProbeCallback(TrainerCallback):
         return parts
 
     def _measuring(self, step: int) -> bool:
-        return self.warmup <= step < self.warmup + self.steps
+        return step == self.warmup or step in self._timed
 
     def _record_shape(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -116,7 +119,7 @@ class ProbeCallback(TrainerCallback):
         step = state.global_step  # steps completed so far; this is step `step + 1`
         if self._timing is not None:  # the previous timed iteration ends here
             self._record_iteration()
-        if self.gate is not None:
+        if self.gate is not None and (not self._holding or step % self.turn == 0):
             if self._holding:  # the previous iteration (its logging, the next batch) ran under the baton too
                 self.gate.after_step(last=False)
             self.gate.before_step()
@@ -137,7 +140,7 @@ class ProbeCallback(TrainerCallback):
             self._record_probed()
         elif self._timing == step:  # the step proper, without what the loop runs around it
             self._windows.append(time.perf_counter() - self._t0)
-        if self.gate is not None and step + 1 >= min(state.max_steps, self.warmup + self.steps + 1):
+        if self.gate is not None and step + 1 >= min(state.max_steps, self._total):
             self.gate.after_step(last=True)  # after the timing and the probe's own work
             self._holding = False
         self._check_shapes(step)

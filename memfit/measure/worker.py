@@ -81,8 +81,9 @@ def prepare_run(spec: dict[str, Any], workdir: Path):
     base = run_from_dict(spec["run"], source="measure spec")
     s = base.strategy
     world = base.distributed.nproc * base.distributed.nodes
-    # a timed step ends at the next step's begin (memfit.measure.callback): one untimed step closes the last
-    steps = int(spec["warmup"]) + int(spec["steps"]) + (1 if int(spec["steps"]) > 1 else 0)
+    from memfit.measure.baton import timed_steps
+
+    steps = timed_steps(int(spec["warmup"]), int(spec["steps"]), int((spec.get("baton") or {}).get("turn", 1)))[1]
     raw = base.model_dump(mode="json")
     raw["data"] = {"path": None, "format": "text", "eval_fraction": 0.0, "packing": False}
     raw["training"].update({"max_steps": steps, "epochs": None, "checkpoint_interval": 0,
@@ -97,7 +98,7 @@ def _gate(baton: Optional[dict]):
         return None
     from memfit.measure.baton import Gate
 
-    return Gate(baton["folder"], baton["name"])
+    return Gate(baton["folder"], baton["name"], int(baton.get("turn", 1)))
 
 
 def main(argv: list[str]) -> int:
