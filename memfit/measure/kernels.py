@@ -213,30 +213,18 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
 
 
 def bandwidth_rate(device: str, timer: Timer) -> float:
-    """Bytes/s of a memory-bound elementwise op (``torch.add(a, b, out=c)``: 3 passes).
-
-    CPU: a training step's memory-bound ops stream tensors written long before (saved activations, gradients)
-    or larger than a core's cache, so each add reads the next of 48 cold pairs of 2 MB tensors (192 MB in
-    all) into one output (a new tensor gets the chunk just freed, warm). The same 16 MB added four times in a row stayed in a large last-level cache: 26.5 GB/s on this
-    project's machine (2026-12-01, 480 MB L3 reported), where a step's ops on its 1.4 MB MLP tensors and adds
-    over 192 MB read 14-17 GB/s (docs/time.md "Bandwidth")."""
-    if device == "cuda":
-        n = 64 << 20
-        a, b = torch.full((n,), 1.5, device=device), torch.full((n,), 0.5, device=device)  # values do not matter
-        c = torch.empty_like(a)
-
-        def step() -> None:
-            for _ in range(4):
-                torch.add(a, b, out=c)
-        return 4 * 3 * 4.0 * n / timer(step)
-    n, k = 1 << 19, 48
-    pool = [(torch.full((n,), 1.5), torch.full((n,), 0.5)) for _ in range(k)]
-    c = torch.empty(n)  # the output: as glibc hands a step's new tensor the chunk just freed, warm
+    """Bytes/s of ``torch.add(a, b, out=c)`` (3 passes). CPU: a step streams tensors written long before, so
+    each add reads the next of 48 cold pairs of 2 MB tensors into one warm output; a hot 48 MB stayed in a
+    480 MB L3 at 26.5 GB/s where a step's ops ran at 14-17 (docs/time.md "Bandwidth")."""
+    n, k = (64 << 20, 1) if device == "cuda" else (1 << 19, 48)  # GPU: one 256 MB pair, added 4 times
+    pool = [(torch.full((n,), 1.5, device=device), torch.full((n,), 0.5, device=device)) for _ in range(k)]
+    c, rounds = torch.empty(n, device=device), 4 if device == "cuda" else 1
 
     def stream() -> None:
-        for a, b in pool:
-            torch.add(a, b, out=c)
-    return k * 3 * 4.0 * n / timer(stream)
+        for _ in range(rounds):
+            for a, b in pool:
+                torch.add(a, b, out=c)
+    return rounds * k * 3 * 4.0 * n / timer(stream)
 
 
 def first_touch_seconds_per_byte(timer: Timer) -> float:
