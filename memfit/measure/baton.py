@@ -40,11 +40,13 @@ def _fifo(path: Path) -> int:
     return os.open(path, os.O_RDWR)
 
 
-def timed_steps(warmup: int, steps: int, turn: int = 1) -> tuple[list[int], int]:
+def timed_steps(warmup: int, steps: int, turn: int = 1, settle: bool = False) -> tuple[list[int], int]:
     """(the 0-based steps whose loop iteration is timed, the steps the run needs) for ``warmup`` steps, one
     probed step and ``steps - 1`` timed ones, holding the baton ``turn`` steps at a time: the first step of
-    each turn (a multiple of ``turn``) re-warms and is not timed; one more step ends the last timed one."""
-    timed, step = [], warmup + 1
+    each turn (a multiple of ``turn``) re-warms and is not timed; one more step ends the last timed one.
+    ``settle``: the step after the probed one still counts for the RSS, then malloc changes
+    (memfit.measure.probe.settle_malloc) and one step re-warms: timing starts two steps later."""
+    timed, step = [], warmup + 1 + (2 if settle else 0)
     while len(timed) < steps - 1:
         if turn <= 1 or step % turn:
             timed.append(step)

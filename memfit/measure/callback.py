@@ -51,7 +51,8 @@ class ProbeCallback(TrainerCallback):
         self.warmup, self.steps = warmup, steps
         self.gate = gate  # memfit.measure.baton.Gate: step only while holding the baton (interleaved runs)
         self.turn = getattr(gate, "turn", 1) if gate is not None else 1  # steps per baton
-        self._timed, self._total = timed_steps(warmup, steps, self.turn)
+        self._settle = P.settles_malloc()  # RSS under the harness's malloc, then time under a user's
+        self._timed, self._total = timed_steps(warmup, steps, self.turn, self._settle)
         self.out_path = out_path
         self.logits_bytes = logits_bytes
         self.categories = categories
@@ -65,6 +66,7 @@ class ProbeCallback(TrainerCallback):
         self._probe_result: Optional[P.ProbeResult] = None
         self._rss_peak = 0
         self._timing: Optional[int] = None  # the step whose iteration is being timed
+        self._timed_threshold: Optional[int] = None  # glibc's mmap threshold set for the timed steps
         self._holding = False  # this process holds the baton (gate) now
         self._context: Optional[int] = None
         self.expect_shape = tuple(expect_shape) if expect_shape else None
@@ -119,6 +121,9 @@ class ProbeCallback(TrainerCallback):
         step = state.global_step  # steps completed so far; this is step `step + 1`
         if self._timing is not None:  # the previous timed iteration ends here
             self._record_iteration()
+        if self._settle and step == self.warmup + 2:  # the probed step and the next one held the RSS peak
+            self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
+            self._timed_threshold = P.settle_malloc()
         if self.gate is not None and (not self._holding or step % self.turn == 0):
             if self._holding:  # the previous iteration (its logging, the next batch) ran under the baton too
                 self.gate.after_step(last=False)
@@ -159,7 +164,8 @@ class ProbeCallback(TrainerCallback):
             torch.cuda.synchronize()
         self._times.append(time.perf_counter() - self._t0)
         self._cpu_times.append(time.process_time() - self._c0)
-        self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
+        if not self._settle:  # the same malloc settings as the probed step: its RSS counts
+            self._rss_peak = max(self._rss_peak, P.peak_rss_bytes())
         self._timing = None
 
     def on_train_end(self, args, state, control, **kw):
@@ -202,6 +208,8 @@ class ProbeCallback(TrainerCallback):
             # glibc's mmap threshold this process ran with (None: its defaults): whether the heap kept the
             # holes of freed tensors in the RSS (memfit.measure.compare.heap_holes_resident)
             "malloc_mmap_threshold": _mmap_threshold(),
+            # the timed steps' (memfit.measure.probe.settle_malloc), where it differs from the probed step's
+            "timed_malloc_mmap_threshold": self._timed_threshold or _mmap_threshold(),
         }
 
 

@@ -82,8 +82,10 @@ def prepare_run(spec: dict[str, Any], workdir: Path):
     s = base.strategy
     world = base.distributed.nproc * base.distributed.nodes
     from memfit.measure.baton import timed_steps
+    from memfit.measure.probe import settles_malloc
 
-    steps = timed_steps(int(spec["warmup"]), int(spec["steps"]), int((spec.get("baton") or {}).get("turn", 1)))[1]
+    turn = int((spec.get("baton") or {}).get("turn", 1))
+    steps = timed_steps(int(spec["warmup"]), int(spec["steps"]), turn, settles_malloc())[1]
     raw = base.model_dump(mode="json")
     raw["data"] = {"path": None, "format": "text", "eval_fraction": 0.0, "packing": False}
     raw["training"].update({"max_steps": steps, "epochs": None, "checkpoint_interval": 0,

@@ -14,7 +14,7 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     from memfit.spec.run import load_run
-    from memfit.distributed.ranks import rank_info
+    from memfit.distributed.ranks import finish, rank_info
     from memfit.io import write_json
     from memfit.train.fallback import _attempt_single, _is_oom
 
@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
         rank = rank_info()[0]
         write_json(Path(spec["markers"]) / f"oom-rank{rank}.json",
                    {"rank": rank, "error": f"{type(err).__name__}: {err}"[:300]})
-        return 3
+        return 3  # the marker is written: an abort at exit (a peer still in a collective) changes nothing
+    finish()  # leave the process group while every rank is alive (gloo aborted at interpreter exit otherwise)
     return 0
 
 
