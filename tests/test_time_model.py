@@ -411,3 +411,15 @@ def test_profile_is_the_median_of_the_kept_calibrations():
     assert len(with_history(cal(1e10, "2026-12-02"), cal(3e10, "2026-12-01")).history) == 2
     # the merged profile survives its own file format
     assert hwprofile.HardwareRates.from_dict(json.loads(json.dumps(merged.to_dict()))) == merged
+
+
+def test_fresh_gradients_and_adamw_temporaries_of_large_tensors_each_step():
+    from memfit.estimate.faults import step_fresh_bytes
+
+    # a 50k x 256 embedding and head in fp32 (51.5 MB each) and a 256 x 688 linear (0.7 MB): each large tensor
+    # gets a new gradient and AdamW's sqrt and division on a CPU, 3 x 51.5 MB; the small one none
+    big, small = 50257 * 256, 256 * 688
+    assert step_fresh_bytes([big, big, small], 32 << 20, 4.0) == 2 * 3 * big * 4.0
+    # bf16 gradients of a 24 MiB-in-fp32 tensor stay under the threshold, its fp32 temporaries do not
+    mid = 6 << 20  # values: 12 MiB in bf16, 24 MiB in fp32
+    assert step_fresh_bytes([mid], 16 << 20, 2.0) == 2 * mid * 4.0

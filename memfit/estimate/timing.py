@@ -25,7 +25,7 @@ from typing import Any
 
 from memfit.estimate.constants import Profile
 from memfit.estimate.engine_host import engine_host_seconds
-from memfit.estimate.faults import fresh_bytes, mmap_threshold
+from memfit.estimate.faults import fresh_bytes, mmap_threshold, step_fresh_bytes
 from memfit.estimate.loop import optimizer_seconds, trainer_loop_ops
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
@@ -322,6 +322,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
     optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
+        share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
+        big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
+            [lin.parameters / share for lin in model.linears] * model.layers
+        optim_s += sp.first_touch * step_fresh_bytes(big, mmap_threshold(), 2.0 if prec == "bf16" else 4.0)
     cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
