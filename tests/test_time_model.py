@@ -423,3 +423,22 @@ def test_fresh_gradients_and_adamw_temporaries_of_large_tensors_each_step():
     # bf16 gradients of a 24 MiB-in-fp32 tensor stay under the threshold, its fp32 temporaries do not
     mid = 6 << 20  # values: 12 MiB in bf16, 24 MiB in fp32
     assert step_fresh_bytes([mid], 16 << 20, 2.0) == 2 * mid * 4.0
+
+
+def test_lora_dropout_on_a_cpu_costs_its_measured_time_per_value(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    st = Strategy(**{**BASE, "method": "lora", "precision": "fp32", "lora_dropout": 0.05,
+                     "lora_targets": ["q_proj", "v_proj"]})
+    bw = {"1": 1e10, "2": 1e10}
+    by_bytes = estimate(TINY, cpu_pool(bandwidth=bw), st).time
+    timed = estimate(TINY, cpu_pool(bandwidth={**bw, "dropout_s_per_value": 5e-9}), st).time
+    # q and v each draw over their 64-wide input: 8 tokens x 2 layers x 128 values at 5 ns, in place of the
+    # forward's 4 passes of 4 B per value at 1e10 B/s
+    values = 8 * 2 * (64 + 64)
+    assert timed["memory_bound_seconds"] - by_bytes["memory_bound_seconds"] == pytest.approx(
+        values * 5e-9 - values * 16.0 / 1e10)
+    gc = estimate(TINY, cpu_pool(bandwidth={**bw, "dropout_s_per_value": 5e-9}),
+                  st.model_copy(update={"gradient_checkpointing": True})).time
+    gc_bytes = estimate(TINY, cpu_pool(bandwidth=bw), st.model_copy(update={"gradient_checkpointing": True})).time
+    assert gc["memory_bound_seconds"] - gc_bytes["memory_bound_seconds"] == pytest.approx(
+        2 * (values * 5e-9 - values * 16.0 / 1e10))  # the recomputed forward draws again

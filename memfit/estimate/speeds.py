@@ -108,6 +108,7 @@ class Speeds:
     # scores grow), else the FLOP share (forward 4·b·H·s²·d of 12)
     dequant_call: float = 0.0  # seconds per Linear4bit forward + input gradient beyond its work (measured)
     first_touch: float = 0.0  # CPU: seconds per byte of a fresh (mmapped) tensor's first touch; 0 = not counted
+    dropout_value: float = 0.0  # CPU: seconds per value of a dropout forward (its random draws); 0 = by its bytes
     bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
     adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
@@ -258,6 +259,7 @@ def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str
             "eager" if attention == "eager" else "sdpa", cat.attention_forward_share)),
         dequant_call=float((rates.dequant or {}).get("nf4_call_s") or 0.0) / (share if cpu else 1.0) * f_ops,
         first_touch=float((rates.bandwidth or {}).get("first_touch_s_per_byte") or 0.0) / share if cpu else 0.0,
+        dropout_value=float((rates.bandwidth or {}).get("dropout_s_per_value") or 0.0) / share if cpu else 0.0,
         bus_by_op=tuple((op, float(coll[op]["bus_bytes_per_s"])) for op in ("all_gather", "reduce_scatter")
                         if isinstance((coll or {}).get(op), dict)),
         h2d=(rates.copies or {}).get("h2d") or cat.h2d, d2h=(rates.copies or {}).get("d2h") or cat.d2h,

@@ -110,7 +110,8 @@ def elementwise_bytes(model: ModelSpec, e: float) -> float:
     return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat + route
 
 
-def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bool, gc: bool) -> float:
+def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bool, gc: bool,
+                           dropout_timed: bool = False) -> float:
     """Bytes per token one PEFT LoRA linear (k -> n) moves outside its matmuls, forward + backward
     (+ the recomputed forward), ``e`` bytes per value.
 
@@ -118,10 +119,11 @@ def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bo
     after ``_cast_input_dtype(x, lora_A.weight.dtype)``. Forward: the scale (read + write n) and the add
     (3 n); the input cast to the adapter's fp32 where the base runs in 16 bits (e + 4 per input value);
     dropout when p > 0 (its mask, read, write: 4 k). Backward: the scale's gradient (2 n), x's two gradients
-    (base and adapter) summed (3 k), the cast back, dropout's mask product (3 k).
+    (base and adapter) summed (3 k), the cast back, dropout's mask product (3 k). ``dropout_timed``: its
+    forward is timed per value apart (CPU: its random draws, ``Speeds.dropout_value``), not by its bytes.
     """
     c = (e + 4.0) * k if cast else 0.0
-    d = 4.0 * e * k if dropout else 0.0
+    d = 4.0 * e * k if dropout and not dropout_timed else 0.0
     forward = 5.0 * e * n + c + d
     backward = 2.0 * e * n + 3.0 * e * k + c + (3.0 * e * k if dropout else 0.0)
     return forward * (2.0 if gc else 1.0) + backward
@@ -249,8 +251,13 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
     se = 4.0 if fp32_stream else e  # the values the layer's elementwise work moves
-    lora_bytes = sum(w * lora_elementwise_bytes(k, n, se, st.lora_dropout > 0, se != 4.0, gc)
+    timed_drop = st.lora_dropout > 0 and sp.dropout_value > 0  # CPU: a random draw per value (measured)
+    lora_bytes = sum(w * lora_elementwise_bytes(k, n, se, st.lora_dropout > 0, se != 4.0, gc, timed_drop)
                      for k, n, w in _adapted_shapes(model, adapted))
+    # PEFT's lora_dropout on each adapted linear's input (its own module: q, k and v draw apart), forward and
+    # recomputed forward
+    drop_s = T * L * sum(w * k for k, n, w in _adapted_shapes(model, adapted)) * (2.0 if gc else 1.0) * \
+        sp.dropout_value if timed_drop else 0.0
     mem = T * L * (_elementwise(model, se) * fwd + lora_bytes)
     if fp32_stream and e != 4.0:  # forward, backward (the gradients' casts), recomputation
         mem += T * L * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
@@ -284,12 +291,12 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     # host work (bitsandbytes' Python and quant-state handling), so on a GPU it joins the dispatch
     calls_s = sp.dequant_call * L * calls * (1.5 if gc else 1.0)
     dequant_s = dequant / sp.dequant + (0.0 if sp.overlap_dispatch else calls_s)
-    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults
+    compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults + drop_s
     dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
     dispatch += calls_s if sp.overlap_dispatch else 0.0
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,
-            "memory_bound_seconds": mem / sp.bandwidth + faults, "dequant_seconds": dequant_s,
+            "memory_bound_seconds": mem / sp.bandwidth + faults + drop_s, "dequant_seconds": dequant_s,
             "dispatch_seconds": dispatch, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}
 
 

@@ -17,7 +17,8 @@ import torch
 
 from memfit.measure.collective_bench import collective_rates
 from memfit.measure.kernels import (Timer, adamw_seconds, attention_rates, bandwidth_rate, copy_rates,
-                                    deepspeed_cpu_adam_seconds, first_touch_seconds_per_byte, gemm_rates,
+                                    deepspeed_cpu_adam_seconds, dropout_seconds_per_value,
+                                    first_touch_seconds_per_byte, gemm_rates,
                                     model_overheads, nf4_dequant_rate, nf4_linear_call_seconds, op_seconds)
 from memfit.spec import hwprofile
 
@@ -35,6 +36,7 @@ def _cpu_part(cores: int, say: Callable[[str], None]) -> dict:
         out["gemm"][key] = gemm_rates("cpu", ["fp32", "bf16"] if t == 1 else ["fp32"], timer)
         if t == 1:
             out["bandwidth"]["first_touch_s_per_byte"] = touch = first_touch_seconds_per_byte(timer)
+            out["bandwidth"]["dropout_s_per_value"] = dropout_seconds_per_value(timer)
         say(f"attention eager/SDPA, {t} thread(s)")
         out["attention"][key] = attention_rates("cpu", ["fp32"], timer, touch)
         say(f"bandwidth and AdamW, {t} thread(s)")

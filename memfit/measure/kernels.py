@@ -6,14 +6,14 @@ few repetitions under a time cap, one part of what a training step spends its ti
   rank-16 products);
 * **attention** — SDPA (``is_causal``) forward + backward and its forward alone; transformers' eager path
   in two parts (its batched products; its work on the score matrix by size, page faults kept apart);
-* **bandwidth** — a memory-bound elementwise op; the first touch of a fresh (mmapped) tensor; the dispatch
-  cost of one small autograd op and of transformers' own Llama layers / PEFT adapters / checkpointing;
+* **bandwidth** — a memory-bound elementwise op; the first touch of a fresh (mmapped) tensor; dropout's
+  random mask (CPU); the dispatch cost of one small op and of transformers' Llama layers / PEFT adapters;
 * **optimizer** — ``torch.optim.AdamW`` (the HF Trainer's ``adamw_torch``) by tensor size and per tensor;
   DeepSpeed's CPU Adam where its extension is already built;
 * where present: pinned host↔device copies, bitsandbytes NF4 dequantisation and ``Linear4bit`` calls.
 
-On CUDA every figure is timed with ``torch.cuda.Event``; on CPU with ``time.perf_counter`` (all-core
-figures) or the thread's CPU time (one-thread figures: a shared machine's other processes then cost less).
+On CUDA every figure is timed with ``torch.cuda.Event``; on CPU with ``time.perf_counter`` (all cores)
+or the thread's CPU time (one thread: a shared machine's other processes then cost less).
 """
 
 from __future__ import annotations
@@ -85,9 +85,7 @@ def _gemm_shapes(device: str) -> dict[str, tuple[int, int, int]]:
     if device == "cuda":
         return {"small": (4096, 512, 512), "medium": (8192, 1536, 1536), "large": (8192, 4096, 4096),
                 "skinny": (8192, 4096, 16), "skinny_b": (8192, 16, 4096)}
-    # CPU: the rows of a typical micro-batch (b·s ~ 1024 tokens) at each width. Not more rows at the small
-    # width: 2048 x 128 fp32 (1 MB per operand) leaves the 1 MB L2 and read 37-53 GFLOP/s where the training
-    # step's 1024 x 128 linears ran at 60-63 (this machine, /work/scratch/gemm.py in the session log).
+    # CPU: a typical micro-batch's rows (b·s ~ 1024 tokens); 2048 x 128 left a 1 MB L2 (docs/time.md)
     return {"small": (1024, 128, 128), "medium": (1024, 384, 384), "large": (512, 1024, 1024),
             "skinny": (1024, 256, 16), "skinny_b": (1024, 16, 256)}
 
@@ -228,11 +226,9 @@ def bandwidth_rate(device: str, timer: Timer) -> float:
 
 
 def first_touch_seconds_per_byte(timer: Timer) -> float:
-    """CPU: seconds per byte a fresh 64 MB tensor costs over writing one that exists — glibc serves it
-    with mmap (above its 32 MiB threshold ceiling), the kernel maps and zeroes each page on first touch
-    (memfit.estimate.faults). The fresh tensor is an anonymous mapping of its own (mapped, written, unmapped),
-    not ``torch.empty``: in a long-lived process glibc may serve 64 MB from freed heap chunks whose pages
-    exist, and the figure then read ~0 (three of eight calibrations inside bench/time_grid.py, 2026-12-01)."""
+    """CPU: seconds per byte a fresh 64 MB tensor (mmapped by glibc, zeroed page by page on first touch:
+    memfit.estimate.faults) costs over an existing one. A mapping of its own, not ``torch.empty``, which a
+    long-lived process may serve from freed heap pages (the figure read ~0: docs/time.md)."""
     import mmap
 
     n = 16 << 20  # 64 MB of fp32
@@ -246,6 +242,13 @@ def first_touch_seconds_per_byte(timer: Timer) -> float:
         region.close()
     t = timer.interleaved({"fresh": fresh, "kept": lambda: kept.fill_(1.0)}, rounds=5)
     return max(0.0, t["fresh"] - t["kept"]) / (4.0 * n)
+
+
+def dropout_seconds_per_value(timer: Timer) -> float:
+    """CPU: seconds per value of ``F.dropout`` forward (PEFT's ``lora_dropout``): a random draw per value,
+    ~4.7 ns where a product costs ~0.2 (docs/time.md "Dropout on a CPU"), not what its bytes imply."""
+    x = torch.randn(512, 688)
+    return timer(lambda: F.dropout(x, 0.05, training=True), reps=7) / x.numel()
 
 
 def op_seconds(device: str, timer: Timer) -> float:
