@@ -13,7 +13,7 @@ they wait until every other process has finished its own before tearing down.
 A process holds the baton for ``turn`` consecutive steps (2 by default) and only the later ones are timed:
 a step that follows other processes' work runs slower than one that follows its own previous step — a
 dispatch-bound 1 x 128 LoRA step read 27-29 ms after 0.1 s of other work (a Python loop, a matmul, a
-sleep), 20-24 ms back to back, 23-24 ms after one re-warming step (docs/time.md "Interleaved turns"),
+sleep), 20-24 ms back to back, 23-24 ms after one re-warming step (bench/step_warmth.py),
 and a user's run steps back to back.
 
 Wire protocol (named pipes in one folder, each write under ``PIPE_BUF`` so it is atomic): every process
