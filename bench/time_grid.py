@@ -44,15 +44,14 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def _measuring_environment() -> None:
-    """Set (in main only: importing this module changes nothing) one thread per process, and glibc's mmap
-    threshold for the measured processes: they would get MALLOC_MMAP_THRESHOLD_=65536 for tight RSS
-    figures (memfit.measure.probe), which makes every freed tensor over 64 kB an munmap and its next use
-    page fault: not how training runs. 32 MiB is glibc's own dynamic ceiling, what a trainer settles at, with
-    the heap trimmed at twice that (malloc.c free(): trim_threshold = 2 * mmap_threshold); setting the first
-    by hand leaves the trim threshold at 128 KiB, and the heap's top faulted in again every step (docs/time.md)."""
+    """Set (in main only) one thread per process and glibc's settled state for the measured processes (else
+    memfit measure's 64 KiB threshold: every freed tensor over 64 kB re-faults), mmap threshold at its 32 MiB
+    ceiling and trim at twice it; the first alone leaves trim at 128 KiB, re-faulting the heap (docs/time.md)."""
+    from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(64 << 20))
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(GLIBC_MMAP_THRESHOLD_MAX))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(GLIBC_SETTLED_TRIM_THRESHOLD))
 
 SHAPES = {
     "llama": dict(arch="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,

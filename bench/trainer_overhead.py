@@ -4,7 +4,8 @@
 
 On a Llama of width 16 (compute is nil) every configuration runs twice: through memfit's trainer
 (``memfit measure``'s path: a fresh process, 2 warm-up + 25 timed steps, the median loop iteration,
-on_step_begin to the next on_step_begin, and of the step proper within it, on_step_begin -> on_step_end) and as a bare loop in this process (forward, backward, clipping, AdamW,
+on_step_begin to the next on_step_begin, and of the step proper within it, on_step_begin -> on_step_end)
+and as a bare loop in this process (forward, backward, clipping, AdamW,
 zero_grad: what the Trainer runs besides its own code). The difference, in units of one small op
 (``memfit.measure.kernels.op_seconds``, measured beside it), is the Trainer's loop; it grows with the
 model's modules and parameters (``items``), which the Trainer walks every step — per micro-batch

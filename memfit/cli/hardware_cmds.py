@@ -103,14 +103,12 @@ def summary_lines(rates: Any, path: Any, fresh: bool) -> str:
             for kind in ("eager", "sdpa") for dt, v in att[kind].items()) + " GFLOP/s")
         lines.append(f"  bandwidth {where}: {g(rates.bandwidth[k])} GB/s")
     lines.append(f"  one small op (forward + backward): {rates.op_seconds * 1e6:.1f} us")
-    extra = {k: float(v) for k, v in (rates.bandwidth or {}).items() if k in (
-        "first_touch_s_per_byte", "dropout_s_per_value") and v}
+    bw = rates.bandwidth or {}
+    extra = [f"{label} {float(bw[key]) * scale:{fmt}} {unit}" for key, label, scale, fmt, unit in (
+        ("first_touch_s_per_byte", "first touch", 1e12, ".0f", "us/MB"),
+        ("dropout_s_per_value", "dropout", 1e9, ".1f", "ns/value")) if bw.get(key)]
     if extra:
-        lines.append("  " + ", ".join(
-            ([f"first touch {extra['first_touch_s_per_byte'] * 1e12:.0f} us/MB"]
-             if "first_touch_s_per_byte" in extra else []) +
-            ([f"dropout {extra['dropout_s_per_value'] * 1e9:.1f} ns/value"]
-             if "dropout_s_per_value" in extra else [])) + " (1 thread)")
+        lines.append("  " + ", ".join(extra) + " (1 thread)")
     for world, c in (rates.collectives or {}).items():
         lines.append(f"  all-reduce, {world} processes ({c['backend']}): {g(c['bus_bytes_per_s'])} GB/s bus, "
                      f"latency {c['latency_s'] * 1e6:.0f} us")

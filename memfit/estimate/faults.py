@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # 64-bit glibc: 4 MiB x sizeof(long)
+GLIBC_SETTLED_TRIM_THRESHOLD = 2 * GLIBC_MMAP_THRESHOLD_MAX  # free() raises trim to twice the mmap threshold
 
 
 def mmap_threshold() -> float:

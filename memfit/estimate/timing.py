@@ -251,13 +251,14 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
     se = 4.0 if fp32_stream else e  # the values the layer's elementwise work moves
+    shapes = _adapted_shapes(model, adapted)
     timed_drop = st.lora_dropout > 0 and sp.dropout_value > 0  # CPU: a random draw per value (measured)
     lora_bytes = sum(w * lora_elementwise_bytes(k, n, se, st.lora_dropout > 0, se != 4.0, gc, timed_drop)
-                     for k, n, w in _adapted_shapes(model, adapted))
+                     for k, n, w in shapes)
     # PEFT's lora_dropout on each adapted linear's input (its own module: q, k and v draw apart), forward and
     # recomputed forward
-    drop_s = T * L * sum(w * k for k, n, w in _adapted_shapes(model, adapted)) * (2.0 if gc else 1.0) * \
-        sp.dropout_value if timed_drop else 0.0
+    drop_values = T * L * sum(w * k for k, n, w in shapes) * (2.0 if gc else 1.0) if timed_drop else 0.0
+    drop_s = drop_values * sp.dropout_value
     mem = T * L * (_elementwise(model, se) * fwd + lora_bytes)
     if fp32_stream and e != 4.0:  # forward, backward (the gradients' casts), recomputation
         mem += T * L * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)

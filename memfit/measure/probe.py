@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
+
 # profiler category -> memfit component name (the keys of measured["components"]).
 _CATEGORY_NAMES = {
     "PARAMETER": "parameters",
@@ -332,7 +334,6 @@ def env_for_measurement(base: Optional[dict[str, str]] = None) -> dict[str, str]
 
 # glibc mallopt parameters (malloc/malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-SETTLED_MMAP_THRESHOLD, SETTLED_TRIM_THRESHOLD = 32 << 20, 64 << 20  # glibc's dynamic ceiling; trim at twice it
 
 
 def settles_malloc() -> bool:
@@ -355,8 +356,8 @@ def settle_malloc() -> Optional[int]:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, SETTLED_MMAP_THRESHOLD) and \
-            libc.mallopt(_M_TRIM_THRESHOLD, SETTLED_TRIM_THRESHOLD)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX) and \
+            libc.mallopt(_M_TRIM_THRESHOLD, GLIBC_SETTLED_TRIM_THRESHOLD)
     except (OSError, AttributeError):
         return None
-    return SETTLED_MMAP_THRESHOLD if ok else None
+    return GLIBC_MMAP_THRESHOLD_MAX if ok else None
