@@ -3,21 +3,29 @@
     PYTHONPATH=. .venv/bin/python bench/gpu_published.py            # table per group + overall
     PYTHONPATH=. .venv/bin/python bench/gpu_published.py --rows     # + every row
     PYTHONPATH=. .venv/bin/python bench/gpu_published.py --json     # machine-readable
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy   # regenerate what estimate/plan print
+    PYTHONPATH=. .venv/bin/python bench/gpu_published.py --check    # exit 1 when that file is stale
 
 Every row memfit can express becomes (ModelSpec from a preset, HardwareSpec, Strategy) and is predicted;
 the prediction is compared on the metric the row published: ``torch.cuda.max_memory_allocated`` with
 the estimate's allocated peak, ``max_memory_reserved`` with its reserved peak, ``nvidia-smi`` (or an
 unnamed system figure) with reserved + CUDA context + NCCL. Rows that ran out of memory must be
-predicted not to fit (GPU memory over the card, margin 0). ``capacity_boundary`` rows (the longest
-sequence that trained on a card of that size) are compared with the card's size. Rows memfit cannot
+predicted not to fit (GPU memory over the card, margin 0: the strict reading); rows that ran must not be
+called not fitting by the planner (over the card less the planner's margin, ``PLANNER_MARGIN``: what
+``memfit plan`` would refuse). ``capacity_boundary`` rows (the longest sequence that trained on a card of
+that size) are compared with the card's size. Rows memfit cannot
 express are listed with the missing feature. Signed error = (predicted − measured) / measured: negative
 means memfit under-predicts (the costly mistake). The leave-one-group-out figures refit the estimator's
-fitted global constants (``FITTED``) on all groups but one and report the error on the one left out.
+fitted global constants (``FITTED``) on all groups but one and report the error on the one left out; the
+error bars ``estimate``/``plan`` print (``memfit/estimate/published_accuracy.json``) are those held-out
+predictions per kind of run, with the in-sample ones (the Profile's defaults) beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import inspect
 import json
 import statistics
 import sys
@@ -29,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
+from memfit.plan import plan as _plan  # noqa: E402
 from memfit.spec.hardware import GiB, HardwareSpec, find_gpu  # noqa: E402
 from memfit.spec.model import resolve_model  # noqa: E402
 from memfit.spec.strategy import Strategy  # noqa: E402
@@ -51,6 +60,9 @@ GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-8
 # the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
 ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"
 FITTED = ("fragmentation", "allocator_cached_layers", "allocator_cached_loss")
+# the fraction of each GPU the planner keeps free (memfit plan's --margin default): a run that ran and is
+# predicted over the card less this margin is a wrong verdict the user would get
+PLANNER_MARGIN = float(inspect.signature(_plan).parameters["margin"].default)
 FIT_GRID = {"fragmentation": [i / 100 for i in range(2, 8)], "allocator_cached_layers": [i / 4 for i in range(1, 7)],
             "allocator_cached_loss": [i / 4 for i in range(0, 5)]}
 
@@ -215,11 +227,16 @@ def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
     reserved = float(mem["gpu_reserved_bytes"])
     smi = reserved + est.gpu_overhead["cuda_context"] + est.gpu_overhead["nccl_buffers"]
     value = {"allocated": alloc, "reserved": reserved}.get(case.metric, smi)
-    fits = smi <= case.hardware.gpu.memory_bytes
+    card = case.hardware.gpu.memory_bytes
+    held = max(smi, est.gpu_loading + est.gpu_overhead["cuda_context"])  # what the estimator's verdict holds
+    fits = held <= card
+    # what memfit plan says with its margin (a run that ran must not be refused)
+    planner_fits = held <= card * (1.0 - PLANNER_MARGIN)
     err = None if case.measured is None else (value - case.measured) / case.measured
-    ok = (not fits) if case.status == "oom" else (fits if case.status == "boundary" else None)
+    ok = (not fits) if case.status == "oom" else fits if case.status == "boundary" else planner_fits
     return {"id": case.id, "group": case.group, "metric": case.metric, "status": case.status,
-            "predicted": value, "measured": case.measured, "error": err, "fits": fits, "verdict_ok": ok,
+            "predicted": value, "measured": case.measured, "error": err, "fits": fits,
+            "planner_fits": planner_fits, "verdict_ok": ok,
             "allocated": alloc, "reserved": reserved, "nvidia_smi": smi, "strategy": case.strategy.label(),
             "attention_backend": mem["attention_backend"], "reliability": case.reliability}
 
@@ -268,6 +285,8 @@ def summarize(results: list[dict]) -> dict:
             "under_5": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.05],
             "under_10": [r["id"] for r in results if r["error"] is not None and r["error"] < -0.10],
             "oom_called_fitting": [r["id"] for r in results if r["status"] == "oom" and r["fits"]],
+            "ran_called_not_fitting": sorted({r["id"].split("#")[0] for r in results
+                                              if r["status"] == "success" and not r["planner_fits"]}),
             "boundary_over_card": [r["id"] for r in results if r["status"] == "boundary" and not r["fits"]]}
 
 
@@ -278,47 +297,156 @@ def _grid() -> list[dict]:
     return out
 
 
-def fit(cases: list[Case], leave_out: str | None = None) -> tuple[dict, dict]:
-    """The FITTED values (grid) with the least mean |error| over the groups other than ``leave_out``, an
-    under-prediction counting twice (it is the costly mistake); rows comparing allocated bytes do not
-    depend on these constants and are left out of the fit."""
-    use = [c for c in cases if c.measured is not None and c.metric != "allocated" and c.group != leave_out]
-    best, best_score = {}, None
+def _fit_cases(cases: list[Case]) -> list[Case]:
+    """The rows a fit reads: measured, and not on allocated bytes (which do not depend on ``FITTED``)."""
+    return [c for c in cases if c.measured is not None and c.metric != "allocated"]
+
+
+def grid_scores(cases: list[Case]) -> list[tuple[dict, list[float]]]:
+    """Every grid point's weighted |error| per fitted row (one pass over the grid, shared by the fits):
+    an under-prediction counts twice (it is the costly mistake)."""
+    use = _fit_cases(cases)
+    out = []
     for values in _grid():
         prof = DEFAULT_PROFILE.with_values(**values)
         errs = [predict(c, prof)["error"] for c in use]
-        score = statistics.fmean(abs(x) * (2.0 if x < 0 else 1.0) for x in errs) if errs else 0.0
-        if best_score is None or score < best_score:
+        out.append((values, [abs(x) * (2.0 if x < 0 else 1.0) for x in errs]))
+    return out
+
+
+def fit(cases: list[Case], leave_out: str | None = None, scores: list | None = None) -> tuple[dict, dict]:
+    """The FITTED values (grid) with the least mean |error| over the groups other than ``leave_out``, an
+    under-prediction counting twice (it is the costly mistake); rows comparing allocated bytes do not
+    depend on these constants and are left out of the fit. Ties go to the first grid point. ``scores``:
+    ``grid_scores(cases)`` when several fits share them."""
+    use = _fit_cases(cases)
+    keep = [i for i, c in enumerate(use) if c.group != leave_out]
+    best, best_score = {}, None
+    for values, per_row in scores if scores is not None else grid_scores(cases):
+        score = statistics.fmean(per_row[i] for i in keep) if keep else 0.0
+        if best_score is None or score < best_score - 1e-12:
             best, best_score = values, score
-    return best, {"fit_score": best_score, "rows": len(use)}
+    return best, {"fit_score": best_score, "rows": len(keep)}
 
 
-def leave_one_group_out(cases: list[Case]) -> dict:
+def held_out(cases: list[Case]) -> tuple[list[dict], dict, dict]:
+    """Every case predicted with ``FITTED`` refitted on the other groups (leave-one-group-out), in the
+    order of ``cases``; the values fitted per group left out; the fit on every group (value, info)."""
+    scores = grid_scores(cases)
+    fitted = {g: fit(cases, leave_out=g, scores=scores)[0] for g in sorted({c.group for c in cases})}
+    profiles = {g: DEFAULT_PROFILE.with_values(**v) for g, v in fitted.items()}
+    return [predict(c, profiles[c.group]) for c in cases], fitted, fit(cases, scores=scores)
+
+
+def leave_one_group_out(cases: list[Case], held: tuple | None = None) -> dict:
     """For each group: fit FITTED on the other groups, report the error on the group left out."""
+    held, fitted, (values, info) = held if held is not None else held_out(cases)
     table = {}
     for g in sorted({c.group for c in cases if c.measured is not None}):
-        values, _ = fit(cases, leave_out=g)
-        prof = DEFAULT_PROFILE.with_values(**values)
-        held = summarize([predict(c, prof) for c in cases if c.group == g])
-        table[g] = {"fitted": values, "median_abs": held["median_abs"], "max_abs": held["max_abs"],
-                    "under_10": len(held["under_10"])}
-    values, info = fit(cases)
+        s = summarize([r for r in held if r["group"] == g])
+        table[g] = {"fitted": fitted[g], "median_abs": s["median_abs"], "max_abs": s["max_abs"],
+                    "under_10": len(s["under_10"]), "oom_called_fitting": len(s["oom_called_fitting"]),
+                    "ran_called_not_fitting": len(s["ran_called_not_fitting"])}
     table["(all groups)"] = {"fitted": values, "default": {n: getattr(DEFAULT_PROFILE, n) for n in FITTED}, **info}
     return table
 
 
-def by_kind(cases: list[Case], results: list[dict]) -> dict:
-    """Signed error range per kind of run (memfit.estimate.accuracy.run_kind), over every compared figure."""
+def _range(errs: list[float]) -> dict:
+    return {"figures": len(errs), "min_pct": round(100 * min(errs), 1), "max_pct": round(100 * max(errs), 1),
+            "median_abs_pct": round(100 * statistics.median(abs(x) for x in errs), 1)}
+
+
+def by_kind(cases: list[Case], results: list[dict], in_sample: list[dict] | None = None) -> dict:
+    """Signed error range per kind of run (memfit.estimate.accuracy.run_kind: method x engine family x one
+    or several GPUs) over every compared figure of ``results``, the wrong fit verdicts among its runs, and
+    (``in_sample`` given) the same range from those predictions."""
     from memfit.estimate.accuracy import run_kind
 
-    out: dict = {}
-    for c, r in zip(cases, results):
-        if r["error"] is None or c.status == "boundary":
-            continue
+    groups: dict = {}
+    for i, c in enumerate(cases):
         s = c.strategy
-        out.setdefault(run_kind(s.method, s.zero_stage, s.fsdp, s.offload, c.hardware.world_size), []).append(r["error"])
-    return {k: {"figures": len(v), "min_pct": round(100 * min(v), 1), "max_pct": round(100 * max(v), 1),
-                "median_abs_pct": round(100 * statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
+        groups.setdefault(run_kind(s.method, s.zero_stage, s.fsdp, s.offload, c.hardware.world_size), []).append(i)
+    out = {}
+    for kind, idx in sorted(groups.items()):
+        compared = [i for i in idx if results[i]["error"] is not None and cases[i].status != "boundary"]
+        if not compared:
+            continue
+        summary = summarize([results[i] for i in idx])
+        entry = {**_range([results[i]["error"] for i in compared]),
+                 "rows": len({cases[i].id.split("#")[0] for i in compared}),
+                 "groups": sorted({cases[i].group for i in compared}),
+                 "under_10": len(summary["under_10"]),
+                 "oom_called_fitting": len(summary["oom_called_fitting"]),
+                 "ran_called_not_fitting": len(summary["ran_called_not_fitting"]),
+                 "verdicts": len({cases[i].id.split("#")[0] for i in idx if cases[i].status in ("oom", "success")})}
+        if in_sample is not None:
+            entry["in_sample"] = _range([in_sample[i]["error"] for i in compared])
+        out[kind] = entry
+    return out
+
+
+def default_checks(path: Path) -> list[Path]:
+    """memfit's own GPU check joins the published file it was fitted with (the default), not another."""
+    if path != DEFAULT_FILE:
+        return []
+    return sorted(p for p in (HERE / "results").glob("gpu_check_*.json") if "categories" not in p.name)
+
+
+def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cases: list[Case] | None = None,
+             held: tuple | None = None) -> dict:
+    """What ``memfit/estimate/published_accuracy.json`` holds (without its date): per kind of run, the
+    leave-one-group-out error range (held out), the in-sample range at the Profile's defaults, and the
+    wrong fit verdicts of the held-out predictions."""
+    checks = default_checks(path) if checks is None else checks
+    if cases is None:
+        cases = load(path)[0] + [c for p in checks for c in load_gpu_check(Path(p))]
+    results, fitted, (all_fit, _) = held if held is not None else held_out(cases)
+    in_sample = [predict(c) for c in cases]
+    kinds = by_kind(cases, results, in_sample)
+    return {"source": "bench/gpu_published.py",
+            "command": "PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy",
+            "files": [Path(path).name, *(Path(p).name for p in checks)],
+            "held_out": True,
+            "basis": "leave-one-group-out: " + ", ".join(FITTED) + " refitted without the row's source group; "
+                     "in_sample: the Profile's defaults, fitted on every group",
+            "rows": sum(v["rows"] for v in kinds.values()),  # runs with a compared figure
+            "figures": sum(v["figures"] for v in kinds.values()),
+            "groups": sorted({c.group for c in cases}),
+            "planner_margin": PLANNER_MARGIN,
+            "fitted_all_groups": all_fit, "profile": {n: getattr(DEFAULT_PROFILE, n) for n in FITTED},
+            "fitted_per_group_left_out": fitted,
+            "kinds": kinds}
+
+
+def _first_difference(a, b, where: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                return f"{where}{k}: {'missing' if k not in a else a[k]} -> {'missing' if k not in b else b[k]}"
+            diff = _first_difference(a[k], b[k], f"{where}{k}.")
+            if diff:
+                return diff
+        return None
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return None if abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) else f"{where[:-1]}: {a} -> {b}"
+    return None if a == b else f"{where[:-1]}: {a} -> {b}"
+
+
+def check(path: Path = DEFAULT_FILE, committed: Path = ACCURACY_FILE, want: dict | None = None, **kw) -> str | None:
+    """None when ``committed`` holds what the bench computes now (numbers compared, not the date); else
+    one line saying what differs. ``want``: ``accuracy(path, **kw)`` when already computed."""
+    try:
+        have = json.loads(committed.read_text())
+    except (OSError, ValueError) as err:
+        return f"{committed.name}: unreadable ({err}); regenerate: PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy"
+    want = accuracy(path, **kw) if want is None else dict(want)
+    have.pop("date", None)
+    want.pop("date", None)
+    diff = _first_difference(have, want)
+    if diff is None:
+        return None
+    return (f"{committed.name} is stale ({diff}, committed -> computed now); regenerate: "
+            "PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy")
 
 
 def _pct(x) -> str:
@@ -335,16 +463,21 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits")
     ap.add_argument("--write-accuracy", type=Path, nargs="?", const=ACCURACY_FILE, default=None,
-                    help="write the error per kind of run for memfit's estimate output (default: %(const)s)")
+                    help="write the held-out error per kind of run for memfit's estimate output (default: %(const)s)")
+    ap.add_argument("--check", action="store_true",
+                    help=f"exit 1 with one line when {ACCURACY_FILE.name} differs from what the bench computes now "
+                         "(numbers, not the date)")
     args = ap.parse_args(argv)
     if not args.file.is_file():
         print(f"error: --file {args.file}: no such file; point it at gpu-runs/public.jsonl", file=sys.stderr)
         return 2
+    checks = default_checks(args.file) if args.gpu_check is None else args.gpu_check
+    if args.check:
+        msg = check(args.file, checks=checks)
+        print(msg or f"{ACCURACY_FILE.name} is current ({args.file.name} + {len(checks)} gpu-check file(s))",
+              file=sys.stderr if msg else sys.stdout)
+        return 1 if msg else 0
     cases, skipped = load(args.file)
-    checks = args.gpu_check
-    if checks is None:  # memfit's own GPU check joins the published file it was fitted with, not another
-        checks = sorted(p for p in (HERE / "results").glob("gpu_check_*.json") if "categories" not in p.name) \
-            if args.file == DEFAULT_FILE else []
     for path in checks:
         cases += load_gpu_check(Path(path))
     results = [predict(c) for c in cases]
@@ -354,23 +487,33 @@ def main(argv=None) -> int:
         per_group[g]["skipped"] = sum(1 for s in skipped if s["group"] == g)
     overall = summarize(results)
     overall["skipped"] = len(skipped)
-    logo = {} if args.no_logo else leave_one_group_out(cases)
-    kinds = by_kind(cases, results)
+    held = None if args.no_logo and not args.write_accuracy else held_out(cases)
+    logo = {} if held is None else leave_one_group_out(cases, held)
+    held_overall = None if held is None else summarize(held[0])
+    kinds = by_kind(cases, results) if held is None else accuracy(args.file, checks, cases=cases, held=held)["kinds"]
     if args.write_accuracy:
-        args.write_accuracy.write_text(json.dumps({"source": "bench/gpu_published.py", "file": args.file.name,
-                                                   "kinds": kinds}, indent=1) + "\n")
+        data = accuracy(args.file, checks, cases=cases, held=held)
+        data = {**{k: data[k] for k in ("source", "command", "files", "held_out")},
+                "date": datetime.date.today().isoformat(), **data}
+        args.write_accuracy.write_text(json.dumps(data, indent=1) + "\n")
     if args.json:
-        print(json.dumps({"overall": overall, "groups": per_group, "rows": results, "skipped": skipped,
-                          "leave_one_group_out": logo, "kinds": kinds}, indent=1))
+        print(json.dumps({"overall": overall, "held_out_overall": held_overall, "groups": per_group, "rows": results,
+                          "skipped": skipped, "leave_one_group_out": logo, "kinds": kinds,
+                          "planner_margin": PLANNER_MARGIN}, indent=1))
         return 0
+    print("in-sample (the Profile's defaults, whose " + ", ".join(FITTED) + " were fitted on every group):")
     print(f"{'group':14s} {'used':>4s} {'skip':>4s} {'cmp':>4s} {'median|e|':>9s} {'max|e|':>8s} {'median':>8s}"
-          f" {'<-5%':>4s} {'<-10%':>5s} {'OOM fits':>8s} {'bound>card':>10s}")
-    for name, s in [*per_group.items(), ("overall", overall)]:
+          f" {'<-5%':>4s} {'<-10%':>5s} {'OOM fits':>8s} {'ran,no fit':>10s} {'bound>card':>10s}")
+    rows = [*per_group.items(), ("overall", overall)]
+    if held_overall is not None:
+        rows.append(("held out", held_overall))
+    for name, s in rows:
         med = "    -  " if s["median_abs"] is None else f"{100 * s['median_abs']:6.1f}%"
         mx = "    -  " if s["max_abs"] is None else f"{100 * s['max_abs']:6.1f}%"
-        print(f"{name:14s} {s['rows']:4d} {s['skipped']:4d} {s['compared']:4d} {med:>9s} {mx:>8s}"
+        print(f"{name:14s} {s['rows']:4d} {s.get('skipped', 0):4d} {s['compared']:4d} {med:>9s} {mx:>8s}"
               f" {_pct(s['median_signed']):>8s} {len(s['under_5']):4d} {len(s['under_10']):5d}"
-              f" {len(s['oom_called_fitting']):8d} {len(s['boundary_over_card']):10d}")
+              f" {len(s['oom_called_fitting']):8d} {len(s['ran_called_not_fitting']):10d}"
+              f" {len(s['boundary_over_card']):10d}")
     if args.rows:
         print("\nrow (metric, status): predicted / measured GB, error")
         for r in results:
@@ -381,12 +524,13 @@ def main(argv=None) -> int:
     print("\nrows more than 5 % under their measurement:" + ("" if under else " none"))
     for r in under:
         print(f"  {r['id']}: {_pct(r['error'])} ({r['metric']}, {r['strategy']})")
-    wrong = [r for r in results if r["verdict_ok"] is False]
-    print("rows with the wrong fit verdict (OOM rows called fitting; boundary rows predicted over their card):"
+    wrong = [r for r in results if r["verdict_ok"] is False and "#" not in r["id"]]  # each run once
+    print(f"rows with the wrong fit verdict (OOM rows called fitting at margin 0; rows that ran called not fitting "
+          f"at the planner's margin {PLANNER_MARGIN:g}; boundary rows predicted over their card):"
           + ("" if wrong else " none"))
     for r in wrong:
-        print(f"  {r['id']}: {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB with context "
-              f"-> fits={r['fits']}")
+        print(f"  {r['id']}: {r['status']}, predicted {r['nvidia_smi'] / 1e9:.2f} GB with context"
+              f" against a {_card(r, cases)} card -> fits={r['fits']}, planner fits={r['planner_fits']}")
     reasons: dict[str, int] = {}
     for s in skipped:
         reasons[s["why"]] = reasons.get(s["why"], 0) + 1
@@ -403,8 +547,23 @@ def main(argv=None) -> int:
                 continue
             med = "-" if f["median_abs"] is None else f"{100 * f['median_abs']:.1f}%"
             mx = "-" if f["max_abs"] is None else f"{100 * f['max_abs']:.1f}%"
-            print(f"  {g:14s} {vals}: median |e| {med}, max |e| {mx}, rows >10 % under: {f['under_10']}")
+            print(f"  {g:14s} {vals}: median |e| {med}, max |e| {mx}, rows >10 % under: {f['under_10']}, "
+                  f"OOM called fitting: {f['oom_called_fitting']}, ran called not fitting: {f['ran_called_not_fitting']}")
+    if held is not None:
+        print("\nper kind of run (what estimate/plan print): held out (leave-one-group-out) | in-sample")
+        for kind, k in kinds.items():
+            ins = k["in_sample"]
+            print(f"  {kind:22s} {k['figures']:3d} figures, {k['rows']:3d} runs: {k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} %"
+                  f" (median |e| {k['median_abs_pct']:.1f} %) | {ins['min_pct']:+6.1f} … {ins['max_pct']:+6.1f} %"
+                  f" (median |e| {ins['median_abs_pct']:.1f} %); wrong verdicts held out: "
+                  f"{k['oom_called_fitting']} OOM called fitting, {k['ran_called_not_fitting']} ran called not fitting"
+                  f" of {k['verdicts']}")
     return 0
+
+
+def _card(r: dict, cases: list[Case]) -> str:
+    case = next(c for c in cases if c.id == r["id"])
+    return f"{case.hardware.gpu.memory_bytes / 1e9:.1f} GB"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The estimator's measured error on published GPU runs, by kind of run (data written by
-``bench/gpu_published.py --write-accuracy``; plain JSON beside this module, read once)."""
+``bench/gpu_published.py --write-accuracy``; plain JSON beside this module, read once). The ranges are
+held out: each run predicted with the fitted allocator constants refitted without its source group
+(leave-one-group-out); the in-sample ranges (the Profile's defaults, fitted on every group) ride along.
+``bench/gpu_published.py --check`` (run by the tests) fails when the file is stale."""
 
 from __future__ import annotations
 
@@ -23,22 +26,38 @@ def run_kind(method: str, zero_stage: int, fsdp, offload: str, world: int) -> st
 
 
 @lru_cache(maxsize=1)
-def _table() -> dict:
+def _data() -> dict:
     try:
-        return json.loads(DATA.read_text()).get("kinds", {})
+        return json.loads(DATA.read_text())
     except (OSError, ValueError):
         return {}
 
 
+def _table() -> dict:
+    return _data().get("kinds", {})
+
+
 def published_error(kind: str) -> Optional[dict]:
-    """{'kind', 'figures', 'min_pct', 'max_pct', 'median_abs_pct', 'source'} or None when no published run of
-    this kind could be expressed."""
+    """{'kind', 'figures', 'rows', 'min_pct', 'max_pct', 'median_abs_pct', 'held_out', 'basis', 'date',
+    'in_sample': {...}, 'oom_called_fitting', 'ran_called_not_fitting', 'source', ...} or None when no
+    published run of this kind could be expressed. The top-level range is the held-out one."""
     hit = _table().get(kind)
-    return None if hit is None else {"kind": kind, **hit, "source": "bench/gpu_published.py"}
+    if hit is None:
+        return None
+    data = _data()
+    return {"kind": kind, **hit, "held_out": bool(data.get("held_out")), "basis": data.get("basis"),
+            "date": data.get("date"), "basis_rows": data.get("rows"), "source": "bench/gpu_published.py",
+            "command": data.get("command")}
 
 
 def describe(err: Optional[dict]) -> str:
     if not err:
         return "no measured GPU run of this kind to check against yet"
+    basis = "held out, leave-one-group-out" if err.get("held_out") else "in-sample"
+    oom, ran = err.get("oom_called_fitting") or 0, err.get("ran_called_not_fitting") or 0
+    wrong = "" if not (oom or ran) else (
+        f"; wrong fit verdict on {oom + ran} of {err.get('verdicts', '?')} runs ({oom} out of memory called fitting, "
+        f"{ran} that ran called not fitting)")
     return (f"{err['kind']}: within {err['min_pct']:+.1f}…{err['max_pct']:+.1f} % on {err['figures']} measured GPU "
-            f"figure{'s' if err['figures'] != 1 else ''} (published runs + memfit's GPU check)")
+            f"figure{'s' if err['figures'] != 1 else ''} ({basis}; published runs + memfit's GPU check"
+            + (f", {err['date']}" if err.get("date") else "") + ")" + wrong)
