@@ -227,11 +227,15 @@ def test_estimate_says_what_it_is(capsys):
     assert abs(mem["gpu_allocated_bytes"] - (gpu["total"] - gpu["overhead"])) <= 1
     assert mem["gpu_allocated_bytes"] < mem["gpu_reserved_bytes"] < gpu["total"]
     assert mem["attention_backend"] == "flash"
-    assert mem["published_error"]["kind"] == "qlora, 1 GPU" and mem["published_error"]["figures"] >= 4
+    err = mem["published_error"]
+    assert err["kind"] == "qlora, 1 GPU" and err["figures"] >= 4
+    # the range is held out (leave-one-group-out), with its basis, date and the in-sample range beside it
+    assert err["held_out"] is True and err["date"] and err["basis_rows"] > err["rows"] > 0
+    assert err["min_pct"] <= err["in_sample"]["max_pct"] and err["in_sample"]["figures"] == err["figures"]
     code, text = _cli(capsys, *argv)
     assert code == 0
     assert "reserved (caching allocator)" in text and "SDPA backend assumed: flash" in text
-    assert "qlora, 1 GPU: within" in text
+    assert "qlora, 1 GPU: within" in text and "leave-one-group-out" in text
 
 
 def test_profiles_saved_before_still_load(tmp_path):

@@ -38,6 +38,26 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
                                "why": "PEFT method IA3 is not a memfit method (full, lora, qlora, meft, dora)"}]
     assert out["overall"]["rows"] == 2 and out["overall"]["compared"] == 2
     assert out["kinds"]["qlora, 1 GPU"]["figures"] == 2
+    assert out["overall"]["oom_called_fitting"] == [] and out["overall"]["ran_called_not_fitting"] == []
+
+
+def test_a_run_that_ran_but_is_called_not_fitting_is_counted(tmp_path, capsys):
+    # fms-acceleration's Mistral-7B full fine-tune at micro-batch 8 ran on an 80 GB A100 (72.4 GB allocated);
+    # memfit holds reserved + context (~92 GB) against the card less the planner's 5 % margin: a wrong verdict
+    ran = {**BASE, "id": "full8", "model": "mistralai/Mistral-7B-v0.1", "method": "full", "lora": None,
+           "quantization": "none", "precision": "pure bfloat16", "micro_batch_size": 8,
+           "primary_memory": {"value": 72435230720, "unit": "bytes", "metric_class": "torch_max_memory_allocated"}}
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(ran) + "\n")
+    assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["rows"][0]
+    assert abs(row["error"]) < 0.02  # the allocated peak is right
+    assert row["planner_fits"] is False and row["verdict_ok"] is False
+    assert out["overall"]["ran_called_not_fitting"] == ["full8"] and out["planner_margin"] == 0.05
+    assert out["kinds"]["full, 1 GPU"]["ran_called_not_fitting"] == 1
+    assert G.main(["--file", str(path), "--no-logo"]) == 0
+    assert "full8: success, predicted" in capsys.readouterr().out
 
 
 def test_missing_file_is_one_line(tmp_path, capsys):

@@ -1,0 +1,104 @@
+"""The estimator's memory accuracy on the shipped published GPU runs (../shared/reference/gpu-runs/public.jsonl
++ memfit's H200 gpu-check in bench/results), and the error bars estimate/plan print from it.
+
+Skipped where the reference file is absent. The figures pinned here are the ones the bench prints
+(``PYTHONPATH=. .venv/bin/python bench/gpu_published.py``), with a small margin: a change that makes the
+estimator worse on the published runs fails here, and so does a committed published_accuracy.json that
+no longer matches what the bench computes (a constant changed without ``--write-accuracy``).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import gpu_published as G  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not G.DEFAULT_FILE.is_file(), reason=f"reference runs absent: {G.DEFAULT_FILE}")
+
+# the two runs that ran but are called not fitting (fms-acceleration, Mistral-7B full fine-tuning, 4096
+# tokens, A100-80GB): predicted 84.2 / 92.2 GB with context against 85.9 GB, measured 81.0 / 76.5 GB
+# (nvidia-smi); the planner keeps 5 % free. Fixing them should shrink this set, never grow it.
+RAN_CALLED_NOT_FITTING = {"fms-main-none-full-Mistral-7B-v0.1-1gpu-bs4", "fms-main-none-full-Mistral-7B-v0.1-1gpu-bs8"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    checks = G.default_checks(G.DEFAULT_FILE)
+    public = G.load(G.DEFAULT_FILE)[0]
+    cases = public + [c for p in checks for c in G.load_gpu_check(p)]
+    held = G.held_out(cases)
+    return {"cases": cases, "public": len(public), "held": held, "in_sample": [G.predict(c) for c in cases],
+            "accuracy": G.accuracy(G.DEFAULT_FILE, checks, cases=cases, held=held)}
+
+
+def test_committed_error_bars_are_current(bench):
+    """bench/gpu_published.py --check, in-process: CI fails on a stale bar."""
+    assert G.check(want=bench["accuracy"]) is None
+
+
+def test_a_stale_bar_is_caught(bench, tmp_path):
+    stale = json.loads(G.ACCURACY_FILE.read_text())
+    stale["date"] = "1999-01-01"  # the date alone is not a difference
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps(stale))
+    assert G.check(committed=path, want=bench["accuracy"]) is None
+    stale["kinds"]["lora, 1 GPU"]["max_pct"] += 0.1
+    path.write_text(json.dumps(stale))
+    msg = G.check(committed=path, want=bench["accuracy"])
+    assert msg and "\n" not in msg and "kinds.lora, 1 GPU.max_pct" in msg and "--write-accuracy" in msg
+    assert G.main(["--check"]) == 0
+
+
+def test_error_bars_are_held_out_and_say_so(bench):
+    acc = bench["accuracy"]
+    assert acc["held_out"] is True and "leave-one-group-out" in acc["basis"]
+    assert acc["rows"] > 40 and acc["figures"] > 60
+    assert {"full, 1 GPU", "lora, 1 GPU", "qlora, 1 GPU", "dora, 1 GPU"} <= set(acc["kinds"])
+    for kind in acc["kinds"].values():  # held out and in-sample over the same figures
+        assert kind["figures"] == kind["in_sample"]["figures"]
+    # the constants the Profile ships are the fit on every group, not moved for a row
+    assert acc["profile"] == acc["fitted_all_groups"]
+
+
+def test_public_rows_accuracy(bench):
+    """Median, worst case and under-predictions on the public rows, in-sample and held out."""
+    n = bench["public"]
+    ins = G.summarize(bench["in_sample"][:n])
+    held = G.summarize(bench["held"][0][:n])
+    # in-sample (bench/gpu_published.py: 54 figures, median |e| 1.2 %, max 20.4 %)
+    assert ins["compared"] >= 50
+    assert ins["median_abs"] < 0.015 and ins["max_abs"] < 0.21
+    # held out (leave-one-group-out: median 2.6 %, max 22.3 %)
+    assert held["median_abs"] < 0.03 and held["max_abs"] < 0.23
+    for s in (ins, held):
+        assert s["under_10"] == []  # no published figure more than 10 % under its measurement
+        assert s["oom_called_fitting"] == []  # no run that ran out of memory is called fitting
+        assert set(s["ran_called_not_fitting"]) <= RAN_CALLED_NOT_FITTING
+
+
+def test_gpu_check_rows_held_out(bench):
+    """memfit's own H200 runs: with that group left out, the fit sets allocator_cached_loss to 0 (no other group
+    shows the step-peak cache) and the 1B full fine-tune's reserved peak is 15.7 % under; nothing worse."""
+    n = bench["public"]
+    held = G.summarize(bench["held"][0][n:])
+    assert held["under_10"] == ["gpu-check-h200-1b-full-gc-sdpa#reserved"]
+    assert min(r["error"] for r in bench["held"][0][n:]) > -0.16
+
+
+def test_estimate_json_carries_the_held_out_bar():
+    from memfit.estimate import estimate
+    from memfit.spec.hardware import HardwareSpec, find_gpu
+    from memfit.spec.model import resolve_model
+    from memfit.spec.strategy import Strategy
+
+    est = estimate(resolve_model("mistral-7b"), HardwareSpec(gpu=find_gpu("A100-80GB")), Strategy(method="full"))
+    err = est.to_dict()["memory"]["published_error"]
+    committed = json.loads(G.ACCURACY_FILE.read_text())
+    assert err["held_out"] is True and err["date"] == committed["date"] and err["basis_rows"] == committed["rows"]
+    kind = committed["kinds"]["full, 1 GPU"]
+    assert (err["min_pct"], err["max_pct"], err["figures"]) == (kind["min_pct"], kind["max_pct"], kind["figures"])
+    assert err["in_sample"] == kind["in_sample"]
