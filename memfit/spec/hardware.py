@@ -59,6 +59,7 @@ CATALOG: dict[str, GpuSpec] = {g.name: g for g in (
     _gpu("A5000-24GB", 24, True, True, 111, 27.8, 32, 32),
     _gpu("A6000-48GB", 48, True, True, 155, 38.7, 32, 32),
     _gpu("L40S-48GB", 48, True, True, 362, 91.6, 32, 32),
+    _gpu("RTX6000Ada-48GB", 48, True, True, 364, 91.1, 32, 32),  # RTX 6000 Ada data sheet (FP8 1457 sparse), PCIe
 )}
 
 DEFAULT_INTER_NODE_BANDWIDTH = 12.5 * GB  # 100 Gb/s InfiniBand / RoCE per node, one direction
