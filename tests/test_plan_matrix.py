@@ -1,4 +1,21 @@
-"""The model × context matrix on 8xV100-32GB, checked against what arXiv 2406.02290 (Fig. 4) reports."""
+"""The model × context matrix on 8xV100-32GB, checked cell by cell against what arXiv 2406.02290 reports for
+its Figure 4 (the seed text, ../shared/reference/seeds/000_*.txt, §2.4.5; the figure itself is an image, so
+the cells checked are those the text names):
+
+- "even a 7B model needs model + data parallelism (ZeRO) on few GPUs": every 7B cell uses ZeRO;
+- "gradient checkpointing lets LLaMA-2 13B and 70B go from 512 to 4096 tokens, impossible otherwise":
+  13B and 70B fit without GC at 256 and 512, and at 1024, 2048 and 4096 only with GC;
+- LLaMA-2 70B is fine-tuned on one 8xV100 node with ZeRO-3 + LoRA (§2.4.3, Table 2);
+- Falcon-180B needs two nodes (16 V100s), with ZeRO-3 + LoRA + GC at every context;
+- moving right or down needs a higher ZeRO stage (the trend test below).
+
+Where memfit's answer differs from the paper the cell is a strict xfail naming why (docs/plan.md), so the
+disagreement is visible and a change that removes it fails until the test is updated. The fit checks hold
+gradient checkpointing fixed and ask whether any recipe of the study's levers fits: memory only, whatever
+the time model prefers.
+"""
+
+from functools import lru_cache
 
 import pytest
 
@@ -7,12 +24,83 @@ from memfit.spec.hardware import parse_hardware
 from memfit.spec.strategy import Strategy
 
 V100 = parse_hardware("8xV100-32GB")
+V100_2N = parse_hardware("2x8xV100-32GB")
 LLAMAS = ("llama-2-7b", "llama-2-13b", "llama-2-70b")
+PARAM_OFFLOAD = ("none", "optimizer", "optimizer+params")
+
+# memfit against the paper, cell by cell (model, seq_len, with GC, nodes) -> why they differ
+DIFFERS = {
+    ("llama-2-13b", 1024, False, 1): "memfit fits LoRA+Z3 without GC (20.5 GB of 32.6 usable at micro-batch 1, SDPA); "
+                                     "the paper's batch is not in the seed",
+    ("llama-2-13b", 2048, False, 1): "memfit fits Full+Z3+optimizer offload without GC (LoRA+Z3: 33.9 GB, just over)",
+    ("llama-2-70b", 256, False, 1): "16-bit weights are 17.3 GB per GPU: LoRA+Z3 without GC needs 33.0 GB of 32.6 usable; "
+                                    "fits with parameter offload (test_fig4_70b_with_parameter_offload)",
+    ("llama-2-70b", 512, False, 1): "LoRA+Z3 without GC needs 44.1 GB of 32.6; fits with parameter offload",
+    ("falcon-180b", 2048, True, 2): "LoRA+Z3+GC needs 35.4 GB per GPU on 16 V100s, 32.6 usable; fits with "
+                                    "parameter offload (the study's runs most likely offloaded)",
+    ("falcon-180b", 4096, True, 2): "LoRA+Z3+GC needs 43.2 GB per GPU on 16 V100s; fits with parameter offload",
+}
 
 
 @pytest.fixture(scope="module")
 def one_node():
     return matrix(V100)
+
+
+@lru_cache(maxsize=None)
+def _fits(model: str, seq_len: int, gc: bool, nodes: int = 1, offloads: tuple = ("none", "optimizer")) -> bool:
+    """Does any recipe of the study's levers (GC held fixed) fit this cell?"""
+    m = matrix(V100 if nodes == 1 else V100_2N, [model], [seq_len], offloads=offloads,
+               fixed={"gradient_checkpointing": gc})
+    return m.cell(model, seq_len).recommended is not None
+
+
+def _paper(model, seq_len, gc, nodes, fits):
+    """(model, seq_len, gc, nodes, fits the paper reports), marked xfail where memfit differs."""
+    why = DIFFERS.get((model, seq_len, gc, nodes))
+    marks = [pytest.mark.xfail(strict=True, reason=f"memfit differs from the paper: {why}")] if why else []
+    return pytest.param(model, seq_len, gc, nodes, fits, marks=marks, id=f"{model}-{seq_len}-{'gc' if gc else 'nogc'}-{nodes}n")
+
+
+FIG4_FITS = [
+    # 13B and 70B: without GC up to 512 tokens, beyond only with GC
+    *[_paper(m, s, False, 1, s <= 512) for m in ("llama-2-13b", "llama-2-70b") for s in DEFAULT_SEQ_LENS],
+    *[_paper(m, s, True, 1, True) for m in ("llama-2-13b", "llama-2-70b") for s in (1024, 2048, 4096)],
+    # Falcon-180B: on no single node; on two with GC at every context
+    *[_paper("falcon-180b", s, True, 1, False) for s in DEFAULT_SEQ_LENS],
+    *[_paper("falcon-180b", s, True, 2, True) for s in DEFAULT_SEQ_LENS],
+]
+
+
+@pytest.mark.parametrize("model,seq_len,gc,nodes,fits", FIG4_FITS)
+def test_fig4_cell_fits_as_the_paper_reports(model, seq_len, gc, nodes, fits):
+    assert _fits(model, seq_len, gc, nodes) is fits
+
+
+@pytest.mark.parametrize("seq_len", DEFAULT_SEQ_LENS)
+def test_fig4_7b_uses_zero(one_node, seq_len):
+    """'Even a 7B model needs model and data parallelism combined' (ZeRO, not plain DDP), with LoRA."""
+    s = one_node.cell("llama-2-7b", seq_len).recommended.strategy
+    assert s.zero_stage >= 1 and s.method == "lora", one_node.cell("llama-2-7b", seq_len).label
+
+
+@pytest.mark.parametrize("seq_len", DEFAULT_SEQ_LENS)
+def test_fig4_falcon_180b_two_nodes_zero3_lora_gc(seq_len):
+    two = matrix(V100_2N, ["falcon-180b"], [seq_len])
+    rec = two.cell("falcon-180b", seq_len).recommended
+    if ("falcon-180b", seq_len, True, 2) in DIFFERS:
+        assert rec is None  # the known difference (see DIFFERS)
+        return
+    assert (rec.strategy.method, rec.strategy.zero_stage, rec.strategy.gradient_checkpointing) == ("lora", 3, True)
+
+
+def test_fig4_70b_with_parameter_offload():
+    """Where the study's 70B and 180B runs must have offloaded parameters (the 70B run measured 15.5 GB per GPU,
+    below its 17.3 GB of 16-bit weights): with ZeRO-3 parameter offload memfit gives the paper's cells —
+    70B without GC to 512 tokens and not beyond, Falcon-180B on two nodes with GC at every context."""
+    for s in DEFAULT_SEQ_LENS:
+        assert _fits("llama-2-70b", s, False, 1, PARAM_OFFLOAD) is (s <= 512), s
+        assert _fits("falcon-180b", s, True, 2, PARAM_OFFLOAD), s
 
 
 def _saving(cell) -> int:
