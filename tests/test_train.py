@@ -105,13 +105,26 @@ def test_adapter_reloads_with_same_logits(assets, tmp_path):
 
 
 def test_full_finetune_saves_loadable_weights(assets, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = train(make_run(assets, tmp_path, method="full", overrides=["max_steps=3"]))
+    r = train(make_run(assets, tmp_path, method="full", overrides=["max_steps=4"]))
     m = AutoModelForCausalLM.from_pretrained(r.saved_to)
     base = AutoModelForCausalLM.from_pretrained(str(assets[0]))
     diff = [(a - b).abs().max().item() for a, b in zip(m.parameters(), base.parameters())]
     assert max(diff) > 0
+    # the training loss fell: in the run's log (metrics.jsonl, one row per optimizer step) ...
+    logged = [x["loss"] for x in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in x]
+    assert [loss for _, loss in r.losses] == pytest.approx(logged)
+    assert len(logged) == 4 and logged[-1] < logged[0], logged
+    # ... and the saved weights give a lower loss than the base on the training records
+    tok = AutoTokenizer.from_pretrained(r.saved_to)
+    records = [json.loads(x) for x in assets[1].read_text().splitlines()[:16]]
+    batch = tok([x["prompt"] + x["completion"] for x in records], return_tensors="pt", padding=True,
+                truncation=True, max_length=64)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        before, after = (model(**batch, labels=labels).loss.item() for model in (base.eval(), m.eval()))
+    assert after < before - 0.1, (before, after)
 
 
 class _Crash(Exception):
