@@ -18,7 +18,7 @@ Ground truth (no fitting to any of it):
   step seconds per engine; micro-batch, precision, checkpointing and attention were not published, so
   each row is predicted at stated assumptions (``DEEPSPEED_ASSUMED``) and never used to judge a constant.
 
-Every prediction is ``estimate(...).time`` on the catalog GPU (basis "catalog peak x utilisation,
+Every prediction is ``estimate(...).time`` on the catalog GPU (basis "catalog GPU, parts model,
 uncalibrated"). Error = predicted tokens/s / published − 1 (positive: memfit thinks the run faster than
 it was). Per group the median and max |error|, and per model the Kendall tau of predicted vs published
 tokens/s order (what decides the planner's ranking).

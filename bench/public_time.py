@@ -36,7 +36,8 @@ MIN_TAU_ROWS = 3
 
 def predict(case: TimeCase, profile=DEFAULT_PROFILE) -> float:
     """Predicted tokens/s per GPU, counted as the published figure counts them."""
-    t = estimate(case.model, case.hardware, case.strategy, profile=profile, margin=0.0).time
+    prof = profile.with_values(**case.overrides) if case.overrides else profile
+    t = estimate(case.model, case.hardware, case.strategy, profile=prof, margin=0.0).time
     return t["tokens_per_second"] / case.hardware.world_size * case.counted_fraction
 
 

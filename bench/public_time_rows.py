@@ -55,7 +55,8 @@ GPUs (``gpu.model``): the catalog name (GPUS); A100 of unstated size -> A100-80G
 H100-80GB's figures named H100-96GB with 96 GiB (power cap not modelled; no catalog entry, so that a bare 'H100'
 stays H100-80GB); RTX 6000 Ada -> RTX6000Ada-48GB (catalog line from its data sheet). nodes = ``gpu.nodes``,
 gpus_per_node = count / nodes; inter-node bandwidth from '400 Gb/s ... per GPU' -> 8 x 50 GB/s per node, else
-memfit's default (noted). ``gradient_checkpointing`` not stated -> skipped, except hf-blog's 7B rows: on (8 x 4096
+200 Gb/s per GPU (DGX A100 reference design: one HDR rail per GPU) where a multi-node row does not say
+(noted). ``gradient_checkpointing`` not stated -> skipped, except hf-blog's 7B rows: on (8 x 4096
 tokens of a 7B full fine-tune do not fit an A100 without it) and attention sdpa, noted.
 """
 
@@ -64,7 +65,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -132,6 +133,7 @@ class TimeCase:
     reliability: str
     note: str  # assumptions made for this row
     counted_fraction: float = 1.0  # published tokens per position memfit counts (mb x seq_len); predict scales
+    overrides: dict = field(default_factory=dict)  # Profile values the source's own code sets (loop_overrides)
 
 
 def _model(row: dict) -> tuple[ModelSpec, str]:
@@ -157,9 +159,12 @@ def _hardware(row: dict, notes: list) -> HardwareSpec:
     if "power-limited" in text:
         notes.append("power-limited card (catalog figures at full board power)")
     inter = re.search(r"(\d+) Gb/s [^,;)]*per GPU", text)
-    extra = {"inter_node_bandwidth": int(inter.group(1)) / 8 * GB * (count // nodes)} if inter and nodes > 1 else {}
+    # not stated: a multi-node training cluster's usual fabric, one 200 Gb/s HDR InfiniBand rail per GPU (the
+    # NVIDIA DGX A100 SuperPOD reference architecture: 8 x HDR 200 Gb/s compute ports per node)
+    per_gpu_gbit = int(inter.group(1)) if inter else 200
+    extra = {"inter_node_bandwidth": per_gpu_gbit / 8 * GB * (count // nodes)} if nodes > 1 else {}
     if nodes > 1 and not inter:
-        notes.append("inter-node network not stated: memfit's default")
+        notes.append("inter-node network not stated: 200 Gb/s per GPU assumed (DGX A100 reference design)")
     ram = re.search(r"(\d+) GB CPU RAM", text)
     return HardwareSpec(gpu=gpu, gpus_per_node=count // nodes, nodes=nodes,
                         cpu_ram_bytes=int(ram.group(1)) * GiB if ram else 2048 * GiB, **extra)
@@ -295,7 +300,26 @@ def convert(row: dict, compiled: bool = False) -> TimeCase:
         notes.append("tokens/s from step_time_s")
     gpu_kind = re.sub(r"-\d+GB$", "", hw.gpu.name)
     return TimeCase(row["id"], group, f"{group}/{short}/{gpu_kind} x{count}", spec, hw, strategy, float(tps),
-                    t.get("tokens_counted") or "", row.get("reliability") or "", "; ".join(notes), fraction)
+                    t.get("tokens_counted") or "", row.get("reliability") or "", "; ".join(notes), fraction,
+                    loop_overrides(row))
+
+
+# the HF Trainer's own work per step and micro-batch (memfit.estimate.loop.trainer_loop_ops): a source that runs
+# its own loop does none of it
+TRAINER_OPS = ("trainer_step_ops", "trainer_micro_batch_ops", "trainer_peft_ops", "trainer_adapter_step_ops",
+               "trainer_adapter_micro_batch_ops", "trainer_outside_step_ops", "trainer_outside_micro_batch_ops",
+               "trainer_step_collectives")
+
+
+def loop_overrides(row: dict) -> dict:
+    """Profile values that make memfit's prediction the source's run: its own training loop where it has one
+    (``framework`` names no Trainer: PEFT's run.py, Answer.AI's train.py, torchtune's recipes, torchtitan), and
+    Answer.AI's QLoRA without ``prepare_model_for_kbit_training`` (train.py keeps the bf16 residual stream)."""
+    fw = (row.get("framework") or "").lower()
+    out = {} if "trainer" in fw and "no trainer" not in fw else {k: 0.0 for k in TRAINER_OPS}
+    if row.get("source_group") == "answerai-fsdp-qlora":
+        out["qlora_fp32_upcast"] = 0.0
+    return out
 
 
 def load(path: Path = DEFAULT_FILE, *, compiled: bool = False) -> tuple[list[TimeCase], list[dict]]:

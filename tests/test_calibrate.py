@@ -126,7 +126,7 @@ class PlanProfile:
     logits_bytes_fp32: float = 12.0
     activation_scale: float = 1.0
     checkpoint_extra_layers: float = 1.0
-    utilization: float = 0.5
+    gemm_max_fraction: float = 0.5
     utilization_fp32: float = 0.5
     utilization_cpu: float = 0.25
     calibrated: dict = field(default_factory=dict)

@@ -181,12 +181,12 @@ def test_plan_does_not_import_torch():
 
 def test_profile_changes_the_time_model(capsys, tmp_path):
     prof = tmp_path / "profile.json"
-    prof.write_text('{"utilization": 0.225}')
-    args = ["estimate", "--model", "llama-2-7b", "--gpus", "8xA100-80GB", "--seq-len", "2048", "--json"]
+    prof.write_text('{"gemm_max_fraction": 0.45}')  # the GEMM ceiling of kinds without a published one (RTX 4090)
+    args = ["estimate", "--model", "llama-2-7b", "--gpus", "8xRTX4090-24GB", "--seq-len", "2048", "--json"]
     _, base, _ = run(capsys, *args)
     _, slow, _ = run(capsys, *args, "--profile", str(prof))
     b, s = json.loads(base)["time"], json.loads(slow)["time"]
-    assert s["matmul_seconds"] == pytest.approx(2 * b["matmul_seconds"])  # half the GEMM utilisation
+    assert s["matmul_seconds"] > 1.8 * b["matmul_seconds"]  # half the GEMM rate (the kernels' fixed time stays)
     assert s["step_seconds"] > b["step_seconds"]
     prof.write_text('{"utilisation": 0.2}')
     code, _, err = run(capsys, *args, "--profile", str(prof))

@@ -116,19 +116,19 @@ def test_lora_targets_that_match_nothing():
 
 
 def test_profile_roundtrip_and_errors(tmp_path):
-    p = Profile().with_values(utilization=0.33)
-    p = Profile(**{**p.to_dict(), "calibrated": {"utilization": 4.2}})
+    p = Profile().with_values(gemm_max_fraction=0.33)
+    p = Profile(**{**p.to_dict(), "calibrated": {"gemm_max_fraction": 4.2}})
     path = p.save(tmp_path / "prof.json")
     q = Profile.load(path)
-    assert q.utilization == 0.33 and q.calibrated == {"utilization": 4.2}
+    assert q.gemm_max_fraction == 0.33 and q.calibrated == {"gemm_max_fraction": 4.2}
     assert all(isinstance(getattr(q, n), float) for n in Profile.constant_names())
     (tmp_path / "bad.json").write_text('{"utilisation": 0.5}')
     with pytest.raises(ConfigError, match="unknown constant 'utilisation'"):
         Profile.load(tmp_path / "bad.json")
-    (tmp_path / "bad2.json").write_text('{"utilization": "high"}')
+    (tmp_path / "bad2.json").write_text('{"gemm_max_fraction": "high"}')
     with pytest.raises(ConfigError, match="must be a number"):
         Profile.load(tmp_path / "bad2.json")
-    assert "utilization" in Profile.calibratable_names() and "qlora_fp32_upcast" not in Profile.calibratable_names()
+    assert "gemm_max_fraction" in Profile.calibratable_names() and "qlora_fp32_upcast" not in Profile.calibratable_names()
     with pytest.raises(ConfigError, match=r"margin 1.5: must be a fraction"):
         estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(), margin=1.5)
     with pytest.raises(ConfigError, match="korthikanti"):

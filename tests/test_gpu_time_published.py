@@ -45,7 +45,7 @@ def test_row_equals_a_hand_call_of_estimate(tmp_path):
     assert row["predicted_step_s"] == t["step_seconds"]
     assert row["published_step_s"] == pytest.approx(4 * 4096 / 3324.155)
     assert row["error"] == pytest.approx(t["tokens_per_second"] / 3324.155 - 1.0)
-    assert row["basis"] == "catalog peak x utilisation, uncalibrated"
+    assert row["basis"] == "catalog GPU, parts model (memfit.steptime), uncalibrated"
     summary = out["groups"]["fms-main"]
     assert summary["rows"] == 1 and summary["median_abs"] == pytest.approx(abs(row["error"]))
 

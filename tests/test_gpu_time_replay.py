@@ -18,4 +18,4 @@ def test_h200_bare_loop_replayed_within_the_measured_error():
     # measured then: median 6.4 %, max 20.4 %, tau 0.89 (docs/gpu-time.md)
     assert median <= 10.0 and worst <= 25.0 and tau >= 0.8
     assert "measured on this machine 2026-11-30" in calibrated
-    assert "catalog peak x utilisation, uncalibrated" in out.split("-- catalog")[1]
+    assert "catalog GPU, parts model (memfit.steptime), uncalibrated" in out.split("-- catalog")[1]

@@ -30,6 +30,7 @@ LAYERS = {
     "errors": 0, "io": 0,
     "methods": 1, "meft": 1,
     "spec": 2,
+    "steptime": 2.5,
     "estimate": 3,
     "resolve": 4,
     "plan": 5,

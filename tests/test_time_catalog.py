@@ -1,4 +1,5 @@
-"""The catalog (uncalibrated GPU) time model's physics: a mixture's expert FLOPs, causal fused attention."""
+"""The catalog GPU time model's physics on real shapes: a mixture's expert FLOPs and dequantisation, causal
+fused attention (memfit.steptime)."""
 
 import pytest
 
@@ -6,6 +7,9 @@ from memfit.estimate import Profile, estimate
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy
+from memfit.steptime.attention import fused_seconds
+from memfit.steptime.micro import NF4_BYTES_PER_VALUE
+from memfit.steptime.rates import gpu_rates
 
 ST = dict(method="lora", micro_batch_size=2, seq_len=1024, gradient_checkpointing=False, attention="sdpa",
           precision="bf16-mixed", lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -13,27 +17,28 @@ ST = dict(method="lora", micro_batch_size=2, seq_len=1024, gradient_checkpointin
 
 def test_mixture_counts_top_k_experts_and_dequantises_all():
     mix = resolve_model("mixtral-8x7b")
-    t = estimate(mix, parse_hardware("A100-80GB"), Strategy(**ST)).time
+    hw = parse_hardware("A100-80GB")
+    t = estimate(mix, hw, Strategy(**ST)).time
     T, L, h, f, V = 2 * 1024, 32, 4096, 14336, 32000
     # frozen linears: forward + input gradient (4 FLOPs per k*n and token); attention 4096^2 + 2 x 4096x1024,
     # the router 4096x8, and top-2 of the 8 experts' three 4096x14336 linears; the head 4096 x V likewise
     per_layer = h * h * 2 + 2 * h * 1024 + h * 8 + 2 * 3 * h * f
     assert t["dense_flops"] == 2 * T * per_layer * 2 * L + 2 * T * h * V * 2
-    # QLoRA: every expert's weights are dequantised per use (forward, input gradient), all 8 of them
-    q = estimate(mix, parse_hardware("A100-80GB"), Strategy(**{**ST, "method": "qlora"})).time
-    bw = 2039e9 * Profile().memory_bandwidth_efficiency
-    values = (h * h * 2 + 2 * h * 1024 + h * 8 + 8 * 3 * h * f) * L * 2
-    assert q["dequant_seconds"] == pytest.approx(values / (bw / 2.5))
+    # QLoRA: every expert's weight is dequantised per use (forward, input gradient), all 8 of them, each its own
+    # kernel moving 0.5 B read + 2 B written (+ absmax) per value at the bandwidth of its size
+    q = estimate(mix, hw, Strategy(**{**ST, "method": "qlora"})).time
+    g = gpu_rates(hw.gpu, "bf16-mixed", Profile())
+    sizes = [(h * h, 1), (h * 1024, 2), (h * h, 1), (h * 8, 1), (h * f, 24)]  # q, k+v, o, router, 8 x 3 experts
+    per_use = sum(c * n * NF4_BYTES_PER_VALUE / g.bandwidth(n * NF4_BYTES_PER_VALUE) for n, c in sizes)
+    assert q["dequant_seconds"] == pytest.approx(per_use * L * 2)
 
 
-def test_causal_fused_attention_does_half_the_square():
+def test_causal_fused_attention_and_eager_square():
     m = resolve_model("llama-3.2-1b")
     hw = parse_hardware("A100-80GB")
-    prof = Profile(utilization_attention_fused=0.5)
-    fused = estimate(m, hw, Strategy(**ST), profile=prof).time
-    flops = 12 * 2 * 1024 * 1024 * m.q_dim * m.layers
-    assert fused["attention_seconds"] == pytest.approx(flops * 0.5 / (0.5 * 312e12))
-    # eager materialises the whole square: the slowdown on the GEMM rate, no causal saving
-    eager = estimate(m, hw, Strategy(**{**ST, "attention": "eager"}), profile=prof).time
-    assert eager["attention_seconds"] == pytest.approx(
-        flops / (312e12 * prof.utilization / prof.eager_attention_slowdown))
+    fused = estimate(m, hw, Strategy(**ST)).time
+    g = gpu_rates(hw.gpu, "bf16-mixed", Profile())
+    assert fused["attention_seconds"] == pytest.approx(m.layers * fused_seconds(2, m.heads, 1024, m.head_dim, g, 0.5))
+    # eager materialises the whole square (its scores through memory): slower than the fused kernel
+    eager = estimate(m, hw, Strategy(**{**ST, "attention": "eager"})).time
+    assert eager["attention_seconds"] > 2 * fused["attention_seconds"]

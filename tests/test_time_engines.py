@@ -78,7 +78,9 @@ def test_estimate_adds_engine_host_work_on_a_cpu_only(monkeypatch):
     # DeepSpeed's partition
     assert fsdp["optimizer_seconds"] - z2["optimizer_seconds"] == pytest.approx(21 / 2 * (1e-5 + 2e-5))
     gpu = estimate(TINY, parse_hardware("2xA100-80GB"), Strategy(**FP32, zero_stage=2)).time
-    assert gpu["engine_seconds"] == 0.0  # on a GPU the host work runs beside the device's kernels
+    # on a GPU the gradient hooks run beside the device's kernels (in the micro-batch's host time); DeepSpeed's
+    # step bookkeeping (35 small ops per trainable tensor, 21 here) is the step's own: it waits for it
+    assert gpu["engine_seconds"] == pytest.approx(21 * 35 * 1.2e-5)
 
 
 def test_gloo_calibration_times_the_mean_call(monkeypatch):

@@ -188,7 +188,7 @@ def calibrate_cmd(
                                                    "then activation_scale, checkpoint_extra_layers to the "
                                                    "allocated peak)."),
     time_constants: Optional[str] = typer.Option(None, "--time-constants", help="Comma-separated constants "
-                                                 "fitted to step time (default: utilization, utilization_fp32, "
+                                                 "fitted to step time (default: gemm_max_fraction, utilization_fp32, "
                                                  "utilization_cpu; 'none' to skip)."),
     json_: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:

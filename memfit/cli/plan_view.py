@@ -108,6 +108,9 @@ def summary_table(d: dict, hardware: Any) -> Table:
                                f"{_rate(time.get('tokens_per_second', 0))} tokens/s  ({' + '.join(parts)})")
         if time.get("basis"):
             t.add_row("time basis", time["basis"])
+        if time.get("published_error"):
+            from memfit.steptime.accuracy import describe_time
+            t.add_row("time error", describe_time(time["published_error"]))
     floors = d.get("floors") or {}
     if floors:
         t.add_row("floors", f"memory {_gb(floors.get('memory_bytes'))} GB per GPU (frozen weights at their "

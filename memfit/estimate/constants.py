@@ -16,28 +16,41 @@ from memfit.errors import ConfigError
 
 GiB = float(1 << 30)
 # constants older profiles may still carry, no longer read (replaced by the named physics)
-RETIRED = frozenset({"optimizer_step_temp_bytes_gpu"})  # -> adamw_foreach_temp_copies
+RETIRED = frozenset({"optimizer_step_temp_bytes_gpu",  # -> adamw_foreach_temp_copies
+                     # GPU time as one utilisation (-> the parts of memfit.steptime)
+                     "utilization", "utilization_half_tokens", "qlora_dequant_slowdown", "gpu_optimizer_seconds_per_param",
+                     "utilization_attention_fused", "memory_bandwidth_efficiency", "default_memory_bandwidth",
+                     "kernel_launch_seconds", "cpu_adam_params_per_second"})
 
 
 @dataclass(frozen=True)
 class Profile:
     # ---- time: compute ----------------------------------------------------------------------------
-    utilization: float = 0.45  # achieved fraction of peak 16-bit FLOP/s at large batches (memory-model.md: 35–55 %)
     utilization_fp32: float = 0.6  # achieved fraction of plain fp32 FLOP/s (no tensor cores; simpler kernels)
     utilization_cpu: float = 0.25  # CPU pseudo-device: fraction of the core-count FLOP/s estimate (tiny-Llama steps on a shared 2-core machine: 0.15–0.4)
-    utilization_half_tokens: float = 256.0  # GPUs: tokens per micro-batch at which utilisation is half of the above (small batches starve a GPU; guess)
-    qlora_dequant_slowdown: float = 1.3  # NF4 dequantisation makes frozen matmuls this much slower (bitsandbytes reports 1.2–1.5x)
-    eager_attention_slowdown: float = 1.5  # eager attention (materialised s²) runs its FLOPs this much slower than fused kernels (guess)
-    gpu_optimizer_seconds_per_param: float = 2e-11  # GPU optimizer step: ~32 B read+written per param at ~1.5 TB/s
-    # ---- time: the parts of the uncalibrated model (catalog GPUs, an uncalibrated CPU; docs/time.md) ---------
-    utilization_attention_fused: float = 0.5  # fused attention (SDPA / FlashAttention-2) FLOP/s as a fraction of the 16-bit peak, forward + backward (FA2 paper, arXiv 2307.08691: 50-73 % of A100 peak forward, ~45-60 % backward)
-    gemm_small_fraction: float = 0.5  # a linear of width gemm_small_width runs at this fraction of a large one (cuBLAS tile occupancy; guess, `memfit calibrate --hardware` measures it)
-    gemm_skinny_fraction: float = 0.1  # LoRA's rank-r products: memory-bound, ~2r FLOP per 2-byte value read (r=16: ~16 FLOP/B x 2 TB/s ~ 10 % of an A100's 312 TFLOP/s: roofline)
-    gemm_small_width: float = 512.0  # width sqrt(k·n) of a "small" linear (as calibrated on GPUs)
+    eager_attention_slowdown: float = 1.5  # uncalibrated CPU: eager attention (materialised s²) runs its FLOPs this much slower than fused kernels (guess)
+    # ---- time: the uncalibrated CPU pseudo-device (docs/time.md) ------------------------------------------
+    gemm_small_fraction: float = 0.5  # a linear of width gemm_small_width runs at this fraction of a large one (guess, `memfit calibrate --hardware` measures it)
+    gemm_skinny_fraction: float = 0.1  # LoRA's rank-r products against a large linear's rate (roofline: ~2r FLOP per value read)
+    gemm_small_width: float = 512.0  # width sqrt(k·n) of a "small" linear (as calibrated)
     gemm_large_width: float = 4096.0  # width of a "large" linear
-    memory_bandwidth_efficiency: float = 0.8  # achieved fraction of HBM bandwidth by elementwise kernels (STREAM-like copies reach 80-90 %)
-    default_memory_bandwidth: float = 600e9  # bytes/s for a GPU missing from the bandwidth table (A10G-class)
-    kernel_launch_seconds: float = 2e-5  # GPUs: host dispatch of one op forward + backward (PyTorch eager: ~5-10 us per launch)
+    # ---- time: catalog GPUs, from parts (memfit.steptime; each part's source in its module, docs/gpu-time.md) ----
+    gemm_max_fraction: float = 0.9  # fitted on the public GPU throughputs (bench/gpu_time_fit.py; the grid's upper bound, the best published fraction ~0.87-0.9); prior 0.8: best achievable bf16 GEMM / dense peak where memfit.steptime.devices has no published figure (A100 0.87, H100 0.80: stas00/ml-engineering "maximum achievable matmul FLOPS")
+    gemm_kernel_seconds: float = 5e-6  # a GEMM's fixed device time: XLA's measured H100 table (matmul_interpolator_data.h) 256x2048x256 6.4 us, 512x256x256 5.8 us
+    gemm_small_tile_efficiency: float = 0.8  # a 64x128 cuBLAS tile's rate against a 128x128 one: puts XLA's H100 1024x1024x2048 at 357 TFLOP/s (measured 350; tests/test_steptime.py)
+    bandwidth_max_fraction: float = 0.9  # elementwise kernels' achieved share of HBM bandwidth at >= 100 MB (Calculon systems/a100_80g.json: 0.90)
+    bandwidth_half_bytes: float = 2.5e5  # fitted (bench/gpu_time_fit.py; Calculon's bins put it near 2e6 on A100: the public rows favour smaller); prior 2e6: transfer size at half of that (Calculon's A100 bins: >= 10 MB 0.75, >= 1 MB 0.60, below 0.30)
+    attention_max_fraction: float = 0.6  # FlashAttention-2 forward + backward at long sequences / dense peak, Ampere and Ada (FA2 paper arXiv 2307.08691 Fig. 6: ~180-190 TFLOP/s of A100's 312)
+    attention_half_seq: float = 400.0  # sequence length at which FA2 reaches half of that (the same curve: ~100 TFLOP/s at 512, ~130 at 1k, ~155 at 2k)
+    attention_forward_share: float = 0.25  # the forward's share of fused attention's forward + backward time (recomputed under checkpointing): memfit's H200 calibration read 0.247-0.259 (bench/results)
+    mem_efficient_attention_fraction: float = 0.5  # SDPA's memory-efficient kernel (pre-Ampere parts) against FA2 (FA2 paper Fig. 4-6: xformers' cutlass kernel at ~half FA2's rate)
+    eager_score_bytes: float = 88.0  # eager attention's bytes per score, forward + backward (scale, mask, fp32 softmax, cast, gradients): memfit's H200 calibration, 2.07-2.13e-11 s per score at 4.15-4.24 TB/s
+    gpu_host_op_seconds: float = 6e-5  # fitted (bench/gpu_time_fit.py); prior 3e-5: host: one module-level op forward + backward in PyTorch eager on a GPU host (memfit's H200 calibration: 1.9-3.0 ms per h-2048 Llama layer of ~49 ops, 38-61 us on a virtualised host; bare-metal hosts faster)
+    qlora_call_ops: float = 12.0  # host ops per Linear4bit call forward + input gradient (bitsandbytes matmul_4bit: quant-state checks, dequantize_4bit, linear, casts; H200 calibration 0.45-0.70 ms per call at 38-61 us per op)
+    fsdp_unit_ops: float = 40.0  # host ops per FSDP unit per micro-batch: pre/post forward and backward hooks (unshard, reshard, stream waits, reduce-scatter launch and copies; torch/distributed/fsdp/_runtime_utils.py)
+    zero3_module_ops: float = 8.0  # host ops per submodule per pass under DeepSpeed ZeRO-3 (partitioned_param_coordinator fetch_sub_module / release_sub_module hooks, trace bookkeeping)
+    adam_bytes_per_param: float = 80.0  # torch AdamW foreach step, bytes per fp32 parameter (half with 16-bit states, pure bf16): torch/optim/adam.py _multi_tensor_adam passes: weight decay mul_ 8, lerp_ 12, mul_ 8, addcmul_ 12, sqrt 8, div_ 8, add_ 8, addcdiv_ 16
+    adam_bandwidth_fraction: float = 0.5  # the foreach kernels' achieved share of HBM bandwidth, measured: memfit's H200 calibration 3.1-3.5e-11 s per fp32 parameter = 0.48-0.55 of 4.8 TB/s (bench/results); not fitted (PEFT's full fine-tune of Llama-3.2-3B on an L40S, pure bf16, 0.36 s steps, would need >= 0.6 of 864 GB/s: docs/gpu-time.md)
     collective_latency_seconds: float = 3e-5  # NCCL all-reduce latency of a small message within a node (nccl-tests: 10-50 us)
     cpu_bandwidth: float = 10e9  # uncalibrated CPU pseudo-device: bytes/s of elementwise work (order of magnitude)
     cpu_op_seconds: float = 1.2e-5  # uncalibrated CPU: one small op forward + backward (this project's 2-core machine: 12 us, memfit calibrate --hardware)
@@ -68,11 +81,12 @@ class Profile:
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
     inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth
     pcie_efficiency: float = 0.75  # achieved fraction of PCIe bandwidth for pinned host<->device copies
-    overlap_ddp: float = 0.7  # fraction of DDP's gradient all-reduce hidden behind backward (bucketed overlap)
-    overlap_zero12: float = 0.5  # fraction of ZeRO-1/2 / shard_grad_op communication hidden behind compute
-    overlap_zero3: float = 0.3  # fraction of ZeRO-3 / full_shard all-gathers hidden by prefetching
+    overlap_ddp: float = 0.65  # GPUs: share of the micro-batches' device time DDP's bucketed all-reduce runs behind (the backward: ~2/3 of forward + backward FLOPs)
+    overlap_zero12: float = 0.65  # GPUs: likewise for ZeRO-1/2 / shard_grad_op (reductions during the backward, overlap_comm)
+    overlap_zero3: float = 0.9  # GPUs: likewise for ZeRO-3 / FSDP full_shard (gathers prefetched during forward and backward)
+    comm_overlap_tax: float = 0.25  # GPUs: a collective hidden behind compute still costs this share of its time: NCCL runs each channel as a thread block on the SMs (16-32 channels on NVLink parts, nccl src/graph/search.cc) beside the kernels, ~15-30 % of an A100's 108 SMs, and shares HBM bandwidth
     overlap_offload: float = 0.3  # fraction of offload PCIe traffic hidden behind compute
-    cpu_adam_params_per_second: float = 3e8  # DeepSpeedCPUAdam throughput per process (AVX2/AVX512, ~1–2e9/s per node)
+    cpu_adam_params_per_second_node: float = 1e9  # offloaded AdamW's parameters per second per node, shared by its processes (DeepSpeedCPUAdam, AVX-512, all cores: ZeRO-Offload paper arXiv 2101.06840 Table 4, 1.5-2.4e9/s on a DGX-2 host's 2x24 cores; cloud hosts with fewer cores per GPU less)
     meft_overlap: float = 0.5  # fraction of MEFT's PCIe traffic hidden by look-ahead prefetch (meft.md)
     meft_cpu_flops: float = 5e10  # CPU FLOP/s per process for MEFT's key-expert search and scatter (guess; calibrate)
     # ---- GPU memory: activations ---------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.estimate.accuracy import published_error, run_kind
+from memfit.estimate.speeds import GPU_PARTS
+from memfit.steptime.accuracy import published_time_error
 
 GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers",
                      "step_temporaries")
@@ -93,7 +95,10 @@ class Estimate:
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
                 "cpu_peak_phase": self.cpu_phase,
             },
-            "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)"},
+            "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)",
+                     "published_error": published_time_error(run_kind(
+                         self.strategy.method, self.strategy.zero_stage, self.strategy.fsdp, self.strategy.offload,
+                         hw.world_size)) if self.time.get("basis") == GPU_PARTS else None},
             "traffic": {k: int(round(v)) for k, v in self.traffic.items()},
             "floors": {"memory_bytes": int(round(self.floor_memory)), "step_seconds": self.floor_seconds},
             "fits": self.fits,

@@ -20,15 +20,11 @@ from typing import Any, Optional
 
 from memfit.estimate.constants import Profile
 from memfit.spec.hardware import HardwareSpec
+from memfit.steptime.devices import device_kind
+from memfit.steptime.rates import GpuRates, gpu_rates
 
-# HBM / GDDR bandwidth, bytes/s, NVIDIA data sheets (V100 SXM2 900 GB/s, T4 320, A10G 600, L4 300,
-# A100-40GB 1555, A100-80GB SXM 2039, H100 SXM 3350, H100 PCIe 2000, H200 4800, RTX 3090 936,
-# RTX 4090 1008, RTX A5000 768, RTX A6000 768, L40S 864)
-MEMORY_BANDWIDTH = {"V100-16GB": 900e9, "V100-32GB": 900e9, "T4-16GB": 320e9, "A10G-24GB": 600e9,
-                    "L4-24GB": 300e9, "A100-40GB": 1555e9, "A100-80GB": 2039e9, "H100-80GB": 3350e9,
-                    "H100-PCIe-80GB": 2000e9, "H200-141GB": 4800e9, "RTX3090-24GB": 936e9,
-                    "RTX4090-24GB": 1008e9, "A5000-24GB": 768e9, "A6000-48GB": 768e9, "L40S-48GB": 864e9}
-UNCALIBRATED = "catalog peak x utilisation, uncalibrated"
+UNCALIBRATED = "catalog peak x utilisation, uncalibrated"  # an uncalibrated CPU
+GPU_PARTS = "catalog GPU, parts model (memfit.steptime), uncalibrated"
 
 
 def log_interp(pts, x: float) -> float:
@@ -113,6 +109,7 @@ class Speeds:
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
     adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
     cpu_flash: bool = False  # SDPA runs torch's CPU flash kernel: its block layout sets the work (cpu_flash_work)
+    gpu: Optional[GpuRates] = None  # a catalog GPU: the parts model's speeds (memfit.steptime)
 
     def bus(self, op: str) -> float:
         """Bus bytes/s of the collective ``op`` (all_reduce | all_gather | reduce_scatter): measured per
@@ -173,19 +170,11 @@ class Speeds:
 
 
 def threads_per_process(hw: HardwareSpec) -> int:
-    """Threads each CPU process runs: OMP_NUM_THREADS, else (in a process that imported torch) torch's
-    thread count, else cores // processes (memfit's launcher; one process uses all cores)."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    torch = sys.modules.get("torch")  # inside a training process: the threads it really runs (memfit's
-    if torch is not None and hw.gpus_per_node == 1:  # trainer may pick fewer on a busy machine); never imported here
-        try:
-            return max(1, int(torch.get_num_threads()))
-        except Exception:  # a partly imported torch: fall back to the launcher's rule
-            pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, hw.gpus_per_node))
+    """Threads each CPU process runs: memfit.spec.threads.run_threads, the rule that the processes memfit
+    starts are given too (OMP_NUM_THREADS, else torch's count in a training process, else cores // processes)."""
+    from memfit.spec.threads import run_threads
+
+    return run_threads(hw.gpus_per_node)
 
 
 def _interp(table: dict, threads: int) -> Any:
@@ -302,36 +291,36 @@ def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:
 
 
 def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+    """The uncalibrated speeds: for a CPU, the core-count FLOP/s guess (N processes share the cores); for a
+    catalog GPU, its kind's rates (memfit.steptime: the micro-batch is priced from parts there)."""
     p, gpu = profile, hw.gpu
-    if gpu.is_cpu:  # the core-count FLOP/s guess; N processes share the cores
+    if gpu.is_cpu:
         peak = gpu.fp32_flops / hw.gpus_per_node
         large = peak * p.utilization_cpu
         bw = p.cpu_bandwidth / hw.gpus_per_node
-        op_s = p.cpu_op_seconds
+        op_s, g = p.cpu_op_seconds, None
+        att = large / (p.eager_attention_slowdown if attention == "eager" else 1.0)
+        adam, cpu_adam = 4 * 8.0 / bw, 1.0 / p.cpu_adam_params_per_second_node
     else:
-        peak = gpu.fp32_flops if precision == "fp32" else gpu.peak_flops
-        large = peak * (p.utilization_fp32 if precision == "fp32" else p.utilization)
-        bw = MEMORY_BANDWIDTH.get(gpu.name, p.default_memory_bandwidth) * p.memory_bandwidth_efficiency
-        op_s = p.kernel_launch_seconds
-    # fused kernels with is_causal skip the score blocks above the diagonal: half the 12·b·H·s²·d the model
-    # counts (the FA2 paper, arXiv 2307.08691 §4.1, counts causal FLOPs as half; flash_attn's kernels and
-    # SDPA's flash / cuDNN backends stop each query block at the diagonal)
-    att = large if gpu.is_cpu else peak * p.utilization_attention_fused / CAUSAL_WORK
-    if attention == "eager":  # the s² scores and softmax go through memory
-        att = large / p.eager_attention_slowdown
+        g = gpu_rates(gpu, precision, p)
+        peak, large = g.peak, g.peak * g.matmul_max
+        bw = device_kind(gpu.name).hbm * p.bandwidth_max_fraction
+        op_s, att = g.host_op_seconds, g.peak * g.attention_max
+        states = 0.5 if precision == "bf16" else 1.0  # pure bf16: AdamW's states in the parameters' dtype
+        adam = p.adam_bytes_per_param * states / (device_kind(gpu.name).hbm * p.adam_bandwidth_fraction)
+        cpu_adam = hw.gpus_per_node / p.cpu_adam_params_per_second_node
     if hw.nodes > 1:
         bus = min(hw.inter_node_bandwidth * p.inter_node_efficiency, gpu.intra_node_bandwidth * p.intra_node_efficiency)
     else:
         bus = gpu.intra_node_bandwidth * p.intra_node_efficiency
     pcie = gpu.pcie_bandwidth * p.pcie_efficiency
     return Speeds(
-        basis=UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
+        basis=GPU_PARTS if g else UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
         width_small=p.gemm_small_width, width_large=p.gemm_large_width,
         gemm_skinny=large * p.gemm_skinny_fraction, attention=((1.0, att),), bandwidth=bw, op_seconds=op_s,
-        overlap_dispatch=not gpu.is_cpu, adam_per_param=p.gpu_optimizer_seconds_per_param if not gpu.is_cpu
-        else 4 * 8.0 / bw, adam_per_tensor=op_s, cpu_adam_per_param=1.0 / p.cpu_adam_params_per_second,
+        overlap_dispatch=not gpu.is_cpu, adam_per_param=adam, adam_per_tensor=op_s, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=bus, collective_latency=p.collective_latency_seconds, h2d=pcie, d2h=pcie,
-        dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager")
+        dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager", gpu=g)
 
 
 def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:

@@ -30,6 +30,12 @@ from memfit.estimate.loop import optimizer_seconds, trainer_loop_ops
 from memfit.estimate.speeds import Speeds, speeds_for
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
+from memfit.steptime.host import step_host_seconds
+from memfit.steptime.micro import micro_batch as gpu_micro_batch
+from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_bytes, kbit_cast_bytes,  # noqa: F401
+                                   lora_elementwise_bytes, ops_per_layer, per_model)
+
+_SUMS: dict = {}
 
 BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
 
@@ -83,6 +89,8 @@ def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, chec
 
 
 def overlap_for(engine_kind: str, profile: Profile, cpu: bool = False) -> float:
+    """The share of the micro-batches' device time behind which the engine's collectives can run (GPUs), or
+    the share of them hidden (CPU processes: none, gloo shares the cores)."""
     if cpu:
         return profile.overlap_cpu_comm
     if engine_kind == "ddp":
@@ -92,53 +100,18 @@ def overlap_for(engine_kind: str, profile: Profile, cpu: bool = False) -> float:
     return profile.overlap_zero3
 
 
-def elementwise_bytes(model: ModelSpec, e: float) -> float:
-    """Bytes read + written by one layer's memory-bound forward work per token, ``e`` bytes per value.
-
-    RMSNorm (fp32 inside: upcast, square, mean, scale, downcast, weight: 28 + 4e per value), two residual
-    adds (3 passes each), RoPE on q and k (~8 passes), q/k/v layout copies for attention and the output's
-    (2 passes each), the gated activation silu(gate)·up (5 passes; 2 for a plain GELU MLP), GQA's
-    repeat_kv copies (2 passes of k and v at the query width).
-    """
-    h, q, kv, ff = model.hidden, model.q_dim, model.kv_dim, model.intermediate
-    norm = model.norms_per_layer * (28.0 + 4.0 * e) * h
-    act = (5.0 if model.mlp in ("swiglu", "geglu") else 2.0) * e * ff
-    repeat = 2.0 * e * 2 * q if model.kv_heads < model.heads else 0.0
-    # a mixture's routing (transformers MixtralSparseMoeBlock.forward): per top-k copy of the token, its
-    # gather into the expert's batch (2 passes of h), the routing-weight product (3) and index_add_ (3)
-    route = 8.0 * e * h * model.experts_per_token if model.experts else 0.0
-    return norm + 6.0 * e * h + 8.0 * e * (q + kv) + 2.0 * e * (q + 2 * kv) + 2.0 * e * q + act + repeat + route
-
-
-def lora_elementwise_bytes(k: float, n: float, e: float, dropout: bool, cast: bool, gc: bool,
-                           dropout_timed: bool = False) -> float:
-    """Bytes per token one PEFT LoRA linear (k -> n) moves outside its matmuls, forward + backward
-    (+ the recomputed forward), ``e`` bytes per value.
-
-    peft/tuners/lora/layer.py ``Linear.forward`` (0.21): ``result + lora_B(lora_A(dropout(x))) * scaling``
-    after ``_cast_input_dtype(x, lora_A.weight.dtype)``. Forward: the scale (read + write n) and the add
-    (3 n); the input cast to the adapter's fp32 where the base runs in 16 bits (e + 4 per input value);
-    dropout when p > 0 (its mask, read, write: 4 k). Backward: the scale's gradient (2 n), x's two gradients
-    (base and adapter) summed (3 k), the cast back, dropout's mask product (3 k). ``dropout_timed``: its
-    forward is timed per value apart (CPU: its random draws, ``Speeds.dropout_value``), not by its bytes.
-    """
-    c = (e + 4.0) * k if cast else 0.0
-    d = 4.0 * e * k if dropout and not dropout_timed else 0.0
-    forward = 5.0 * e * n + c + d
-    backward = 2.0 * e * n + 3.0 * e * k + c + (3.0 * e * k if dropout else 0.0)
-    return forward * (2.0 if gc else 1.0) + backward
-
-
-def ops_per_layer(model: ModelSpec, adapted: int, eager: bool) -> float:
-    """Module / function calls of one layer's forward (each with its backward): norms 7 each, 4 attention
-    linears, RoPE ~12, attention 4 (eager 9), residuals 2, the MLP's linears + act + product, ~8 views;
-    a LoRA-adapted linear adds dropout, A, B, scale, add, cast."""
-    mlp = len(model.linears) - 4 + 2
-    return model.norms_per_layer * 7 + 4 + 12 + (9 if eager else 4) + 2 + mlp + 8 + 6 * adapted
-
-
-RECOMPUTE_DISPATCH = 0.4  # a recomputed layer forward costs this fraction of its forward + backward dispatch
-# (the forward issues ~40 % of the ops of forward + backward: autograd's nodes mirror most forward ops)
+def exposed_comm(comm_s: float, device_s: float, engine_kind: str, profile: Profile, cpu: bool, layers: int) -> float:
+    """Collective seconds the step waits for. CPU processes: all but the hidden share. GPUs: NCCL runs on its
+    own streams beside the kernels, so the collectives hide behind up to ``overlap_for`` of the device's
+    compute (DDP's bucketed all-reduce behind the backward; FSDP / ZeRO-3's prefetched gathers behind forward
+    and backward), and at least one layer's worth (the first gather, the last reduction) is exposed. A hidden
+    collective still slows the kernels beside it (``comm_overlap_tax`` of its time: NCCL's channels are thread
+    blocks on the SMs, and they stream through the same HBM)."""
+    if cpu or device_s <= 0.0:
+        return comm_s * (1.0 - overlap_for(engine_kind, profile, cpu))
+    window = overlap_for(engine_kind, profile) * device_s
+    hidden = min(comm_s, window)
+    return max(comm_s - window, comm_s / (layers + 2)) + profile.comm_overlap_tax * hidden
 
 
 def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc: bool) -> float:
@@ -155,36 +128,21 @@ def dispatch_seconds(model: ModelSpec, sp: Speeds, adapted: int, eager: bool, gc
     return ops * sp.op_seconds
 
 
-_SUMS: dict = {}
-_PER_MODEL: dict = {}
-
-
-def _per_model(key: tuple, model: ModelSpec, compute):
-    """``compute()`` cached per ``key`` for as long as ``model`` is the object it was computed for (plans
-    estimate thousands of combinations of one model)."""
-    hit = _PER_MODEL.get(key)
-    if hit is None or hit[0] is not model:
-        if len(_PER_MODEL) > 4096:
-            _PER_MODEL.clear()
-        hit = _PER_MODEL[key] = (model, compute())
-    return hit[1]
-
-
 def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
     """(in_features, out_features, copies x share of the tokens) of the adapted linears, in the model's
     order (cached); the last is 1 for a dense linear, top-k for a mixture's experts."""
-    return _per_model((id(model), adapted), model, lambda: tuple(
+    return per_model((id(model), adapted), model, lambda: tuple(
         (x.in_features, x.out_features, x.count * x.active) for x in model.linears if x.name in adapted))
 
 
 def _head_rate(model: ModelSpec, sp: Speeds) -> float:
     """``sp.gemm(hidden, vocab)``: the output head's FLOP/s (cached per model and speeds)."""
-    return _per_model(("head", id(model), sp), model, lambda: sp.gemm(model.hidden, model.vocab))
+    return per_model(("head", id(model), sp), model, lambda: sp.gemm(model.hidden, model.vocab))
 
 
 def _elementwise(model: ModelSpec, e: float) -> float:
     """:func:`elementwise_bytes`, cached per model and value size."""
-    return _per_model((id(model), e), model, lambda: elementwise_bytes(model, e))
+    return per_model((id(model), e), model, lambda: elementwise_bytes(model, e))
 
 
 def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
@@ -205,19 +163,10 @@ def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[floa
     return hit[1]
 
 
-def kbit_cast_bytes(model: ModelSpec, e: float) -> float:
-    """Bytes per token and layer, forward, of bitsandbytes' casts around every ``Linear4bit`` of a model
-    prepared by ``prepare_model_for_kbit_training`` (fp32 residual stream): its input to the compute dtype
-    and its output back to the input's fp32 (bitsandbytes/nn/modules.py ``Linear4bit.forward``): (4 + e)
-    per input and per output value; the backward casts the gradients the same way."""
-    return _per_model(("kbit", id(model), e), model, lambda: sum(
-        (4.0 + e) * (x.in_features + x.out_features) * x.active * x.count for x in model.linears))
-
-
 def _quantized_sums(model: ModelSpec) -> tuple[float, float]:
     """(Σ k·n over every copy, Linear4bit modules) of one layer: what QLoRA dequantises per use and calls
     (cached; transformers' mixtures call each expert per forward, all reached at b·s ≫ experts)."""
-    return _per_model(("nf4", id(model)), model, lambda: (
+    return per_model(("nf4", id(model)), model, lambda: (
         float(sum(x.in_features * x.out_features * x.count for x in model.linears)),
         float(sum(x.count for x in model.linears))))
 
@@ -322,11 +271,15 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
-    mb = micro_batch(model, sp, st, e, method == "full", adapted,  # adapted: empty unless LoRA-style (the registry)
-                     meft_rows, p_t if method == "meft" else 0.0, fp32_stream)
+    router = p_t if method == "meft" else 0.0
+    tensors_t = trainable_tensors(model, method, len(adapted))
+    if sp.gpu is not None:  # a catalog GPU: the parts model (memfit.steptime)
+        mb = gpu_micro_batch(model, sp.gpu, st, e, method == "full", adapted, meft_rows, router, fp32_stream, p,
+                             "fsdp" if fsdp else engine, tensors_t)
+    else:  # adapted: empty unless LoRA-style (the registry)
+        mb = micro_batch(model, sp, st, e, method == "full", adapted, meft_rows, router, fp32_stream)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
-    tensors_t = trainable_tensors(model, method, len(adapted))
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
     optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt)
@@ -345,7 +298,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
                                  tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
-    exposed = comm_s * (1.0 - overlap_for(engine, p, cpu))
+    exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0), engine, p, cpu, model.layers)
     pcie_b = 0.0
     if off_opt:
         pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
@@ -362,7 +315,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Profile, *, engine
         cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
         cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
         meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
-    engine_s = 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
+    engine_s = step_host_seconds(engine if not fsdp else "fsdp", tensors_t, p) if sp.gpu else 0.0
+    engine_s += 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
         engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)

@@ -221,7 +221,7 @@ def fit(records: Sequence[dict], profile: Any, estimate_fn: EstimateFn, *, targe
 DEFAULT_PLAN: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("logits", ("logits_bytes_16bit", "logits_bytes_fp32")),
     ("memory", ("activation_scale", "checkpoint_extra_layers")),
-    ("time", ("utilization", "utilization_fp32", "utilization_cpu")),
+    ("time", ("gemm_max_fraction", "utilization_fp32", "utilization_cpu")),
 )
 
 

@@ -1,0 +1,73 @@
+"""What a catalog GPU kind can do, beyond its data-sheet peaks (memfit.spec.hardware.CATALOG): the speeds the
+GPU time model's parts divide by, each from a public source.
+
+* ``sms`` — streaming multiprocessors (NVIDIA data sheets / architecture white papers): a GEMM's or a fused
+  attention kernel's thread blocks run in waves of this many (tile and wave quantisation, NVIDIA's "Matrix
+  Multiplication Background" guide §3.1-3.2).
+* ``hbm`` — memory bandwidth, bytes/s (data sheets).
+* ``matmul_max`` — the best achievable fraction of the dense 16-bit peak for a large bf16 GEMM ("maximum
+  achievable matmul FLOPS", stas00/ml-engineering compute/accelerator/README.md: A100 SXM 271 of 312 = 0.87,
+  H100 SXM 794 of 989 = 0.80; XLA's measured H100 table reads 783 at 4096³). Kinds without a published
+  figure take the Profile's ``gemm_max_fraction``.
+* ``attention_max`` — FlashAttention-2's forward + backward FLOP/s at long sequences as a fraction of the
+  peak (FA2 paper arXiv 2307.08691: up to ~230 TFLOP/s = 0.6-0.73 of A100's 312 forward, ~0.55-0.6 forward +
+  backward; FA3 paper arXiv 2407.08608: FA2 reaches only ~0.35-0.4 of H100's). Ampere / Ada / others take
+  the Profile's ``attention_max_fraction``.
+* ``p2p`` — whether the cards of one node exchange over NVLink or PCIe peer-to-peer. GeForce RTX 4090 has
+  peer-to-peer disabled in the driver (NCCL falls back to host shared memory, NCCL_P2P_LEVEL docs);
+  ``p2p_bandwidth`` then is what NCCL's SHM path achieves through host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    name: str
+    sms: int
+    hbm: float  # bytes/s
+    arch: str  # volta | turing | ampere | ada | hopper
+    matmul_max: Optional[float] = None  # published best achievable bf16 GEMM / peak; None: the Profile's
+    attention_max: Optional[float] = None  # FA2 fwd+bwd / peak at long sequences; None: the Profile's
+    p2p: bool = True
+    fused_attention: bool = True  # FlashAttention-2 kernels (sm80+); older parts run SDPA's mem-efficient one
+
+
+# name: SMs (NVIDIA data sheets / white papers), HBM or GDDR bytes/s (data sheets)
+DEVICES: dict[str, DeviceKind] = {d.name: d for d in (
+    DeviceKind("V100-16GB", 80, 900 * GB, "volta", fused_attention=False),
+    DeviceKind("V100-32GB", 80, 900 * GB, "volta", fused_attention=False),
+    DeviceKind("T4-16GB", 40, 320 * GB, "turing", fused_attention=False),
+    DeviceKind("A10G-24GB", 80, 600 * GB, "ampere"),
+    DeviceKind("L4-24GB", 58, 300 * GB, "ada"),
+    DeviceKind("A100-40GB", 108, 1555 * GB, "ampere", matmul_max=0.87),
+    DeviceKind("A100-80GB", 108, 2039 * GB, "ampere", matmul_max=0.87),
+    DeviceKind("H100-80GB", 132, 3350 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
+    DeviceKind("H100-96GB", 132, 3360 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
+    DeviceKind("H100-PCIe-80GB", 114, 2000 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
+    DeviceKind("H200-141GB", 132, 4800 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
+    DeviceKind("RTX3090-24GB", 82, 936 * GB, "ampere"),
+    DeviceKind("RTX4090-24GB", 128, 1008 * GB, "ada", p2p=False),
+    DeviceKind("A5000-24GB", 64, 768 * GB, "ampere"),
+    DeviceKind("A6000-48GB", 84, 768 * GB, "ampere"),
+    DeviceKind("RTX6000Ada-48GB", 142, 960 * GB, "ada"),
+    DeviceKind("L40S-48GB", 142, 864 * GB, "ada"),
+)}
+
+DEFAULT = DeviceKind("unknown", 108, 1000 * GB, "ampere")
+
+
+def device_kind(name: str) -> DeviceKind:
+    """The kind of a catalog GPU (a custom-memory variant ``A100-80GB`` named otherwise falls back by its
+    prefix), else a generic Ampere-class part."""
+    if name in DEVICES:
+        return DEVICES[name]
+    for key, kind in DEVICES.items():
+        if name.startswith(key.split("-")[0] + "-"):
+            return kind
+    return DEFAULT
