@@ -116,3 +116,36 @@ def test_tokens_per_second_grows_with_sequence_on_a_7b_lora():
             for s in (256, 4096)}
     assert rate[4096] / rate[256] > 1.5
     assert math.isfinite(rate[256])
+
+
+def test_host_hooks_by_hand():
+    from memfit.steptime.host import host_ops, host_seconds, step_host_seconds, zero3_hook_seconds
+
+    prof = Profile()
+    # TINY: 49 module ops per layer x 2 + 20; QLoRA adds qlora_call_ops (12) per Linear4bit (7 per layer x 2)
+    plain = host_ops(TINY, 0, False, False, False, "ddp", prof)
+    assert plain == 49 * 2 + 20
+    assert host_ops(TINY, 0, False, False, True, "ddp", prof) - plain == 12 * 7 * 2
+    # FSDP: fsdp_unit_ops (40) per unit, the 2 layers + the embedding + the tail
+    assert host_ops(TINY, 0, False, False, False, "fsdp", prof) - plain == 40 * 4
+    # DeepSpeed ZeRO-2: 30 small ops (cpu_op_seconds, 12 us) per trainable tensor per micro-batch; ZeRO-1 once
+    # per step (a quarter per micro-batch at 4); their step bookkeeping 35 per tensor
+    base = host_seconds(TINY, 0, False, False, False, "ddp", prof)
+    assert host_seconds(TINY, 0, False, False, False, "zero2", prof, 21, 4) - base == pytest.approx(30 * 21 * 1.2e-5)
+    assert host_seconds(TINY, 0, False, False, False, "zero1", prof, 21, 4) - base == pytest.approx(30 * 21 / 4 * 1.2e-5)
+    assert step_host_seconds("zero2", 21, prof) == pytest.approx(35 * 21 * 1.2e-5)
+    assert step_host_seconds("fsdp", 21, prof) == 0.0
+    # ZeRO-3's fetch hooks: 8 ops x (7 linears + 2 norms + 6 other modules) x 2 layers, x1.4 under checkpointing
+    assert zero3_hook_seconds(TINY, False, prof) == pytest.approx(8 * 15 * 2 * prof.gpu_host_op_seconds)
+    assert zero3_hook_seconds(TINY, True, prof) == pytest.approx(1.4 * 8 * 15 * 2 * prof.gpu_host_op_seconds)
+
+
+def test_eager_attention_by_hand():
+    from memfit.steptime.attention import eager_seconds
+
+    g = h100()
+    b, heads, s, d = 2, 4, 1024, 64
+    # 2 forward products (s x s x d each over b*H batches, stacked) and 4 gradient products, + 88 B per score
+    prod = 2 * gemm_seconds(b * heads * s, s, d, g) + 4 * gemm_seconds(b * heads * s, d, s, g)
+    scores = b * heads * s * s
+    assert eager_seconds(b, heads, s, d, g, 2.0, 88.0) == pytest.approx((prod, scores * 88 / g.bandwidth(scores * 2)))
