@@ -164,3 +164,13 @@ def atomic_dir(dst: Any, what: str = "") -> Iterator[Path]:
         if isinstance(err, OSError):
             raise write_error(err, dst, what) from None
         raise
+
+
+def read_json_or_empty(path: Any) -> dict:
+    """A shipped JSON data file as a dict; {} when it is missing or unreadable (the caller then reports
+    that it has no data)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -6,10 +6,11 @@ held out: each run predicted with the fitted allocator constants refitted withou
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
+
+from memfit.io import read_json_or_empty
 
 DATA = Path(__file__).resolve().parent / "published_accuracy.json"
 
@@ -27,10 +28,7 @@ def run_kind(method: str, zero_stage: int, fsdp, offload: str, world: int) -> st
 
 @lru_cache(maxsize=1)
 def _data() -> dict:
-    try:
-        return json.loads(DATA.read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json_or_empty(DATA)
 
 
 def _table() -> dict:

@@ -5,20 +5,18 @@ tests) fails when the file is stale."""
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
+
+from memfit.io import read_json_or_empty
 
 DATA = Path(__file__).resolve().parent / "published_time_accuracy.json"
 
 
 @lru_cache(maxsize=1)
 def _data() -> dict:
-    try:
-        return json.loads(DATA.read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json_or_empty(DATA)
 
 
 def published_time_error(kind: str) -> Optional[dict]:
