@@ -26,8 +26,10 @@ def bare_model(tmp_path_factory):
     return path
 
 
-def test_tokenizerless_model_measures_the_planned_logits(bare_model, tmp_path):
+def test_tokenizerless_model_measures_the_planned_logits(bare_model, tmp_path, monkeypatch):
     from memfit.measure import worker
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker sets its spec's count there: undone after the test
     from memfit.spec.run import run_from_dict
 
     b, s, vocab = 2, 48, 300

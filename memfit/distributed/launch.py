@@ -93,10 +93,13 @@ def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_ran
 
 
 def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[str, str]:
-    """The processes' environment: one BLAS/OpenMP thread pool share per process unless the user set it."""
+    """The processes' environment: one BLAS/OpenMP thread pool share per process unless the user set it
+    (:func:`memfit.spec.threads.run_threads`, the count the prediction reads)."""
+    from memfit.spec.threads import ENV, run_threads
+
     env = dict(os.environ if base is None else base)
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(nproc, 1)))
+    if ENV not in env:
+        env[ENV] = str(run_threads(nproc, environ=env))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 

@@ -102,9 +102,15 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
     Single-process runs are forked from a fork server that imported torch/transformers once and has run
     no configuration (a new process each time, without the import cost); ``fork_server=False``, or a
     visible GPU, starts a new interpreter instead. Multi-process runs start under torchrun.
+
+    Every process runs ``threads`` CPU threads, default :func:`memfit.spec.threads.run_threads` (the count
+    the prediction reads; never the moment's load average), given as ``OMP_NUM_THREADS`` and in the spec.
     """
+    from memfit.spec.threads import ENV, run_threads
+
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0 (got steps={steps}, warmup={warmup})")
+    threads = max(1, int(threads)) if threads else run_threads(run.distributed.nproc)
     work = Path(tempfile.mkdtemp(prefix="memfit-measure-"))
     try:
         spec = {"run": run.model_dump(mode="json"), "warmup": warmup, "steps": steps,
@@ -125,14 +131,15 @@ def run_measured_process(run: Any, *, warmup: int = 1, steps: int = 3, timeout: 
         if nproc == 1 and fork_server and baton is None:
             returncode = _run_forked(spec_path, log, timeout)
         else:
-            with open(log, "w") as fh:
-                returncode = subprocess.run(cmd, env=env_for_measurement(), stdout=fh, stderr=subprocess.STDOUT,
-                                            timeout=timeout).returncode
+            with open(log, "w") as fh:  # torchrun would give each process 1 thread where none is set
+                returncode = subprocess.run(cmd, env={**env_for_measurement(), ENV: str(threads)}, stdout=fh,
+                                            stderr=subprocess.STDOUT, timeout=timeout).returncode
         ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
         if returncode != 0 and not ranks:
             tail = _root_cause(log.read_text(errors="replace"))
             raise MemfitError(f"measured run {run.strategy.label()} failed (exit {returncode}): {tail}")
         measured = merge_ranks(ranks)
+        measured["threads"] = threads  # CPU threads per process (what the prediction was made at)
         if returncode != 0:  # e.g. DeepSpeed's flaky shutdown after training finished
             measured["exit_code"] = returncode
         return measured
@@ -200,11 +207,13 @@ def _run_forked(spec_path: Path, log: Path, timeout: float) -> int:
     global _SERVER
     if gpu_visible():
         from memfit.measure.probe import env_for_measurement
+        from memfit.spec.threads import ENV
 
+        threads = json.loads(spec_path.read_text()).get("threads")  # the worker's count (a trace: none)
+        env = {**env_for_measurement(), **({ENV: str(threads)} if threads else {})}
         with open(log, "w") as fh:
             return subprocess.run([sys.executable, "-m", "memfit.measure.worker", str(spec_path)],
-                                  env=env_for_measurement(), stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+                                  env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if _SERVER is None or not _SERVER.alive():
         _SERVER = _ForkServer()
     return _SERVER.run(spec_path, log, timeout)
@@ -251,9 +260,14 @@ def measure(run: Any, *, warmup: int = 1, steps: int = 3, profile: Any = None,
         from memfit.measure.trace import check_traceable
 
         check_traceable(run.strategy)
-    predicted = predict(run, profile)
+    from memfit.spec.threads import pinned, run_threads
+
+    # one thread count: decided here (no load average), predicted at and given to the measured processes
+    threads = max(1, int(kw.pop("threads", None) or run_threads(run.distributed.nproc)))
+    with pinned(threads):
+        predicted = predict(run, profile)
     if measured is None:
-        measured = run_measured_process(run, warmup=warmup, steps=steps, **kw)
+        measured = run_measured_process(run, warmup=warmup, steps=steps, threads=threads, **kw)
     cmp = compare(predicted or {}, measured)
     trace = None
     if traced:

@@ -119,8 +119,13 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    if spec.get("threads"):
+    if spec.get("threads"):  # the runner's count (memfit.spec.threads.run_threads), which it predicted at:
+        import os  # in the environment too, so the trainer keeps it rather than pick by the load average
+
+        from memfit.spec.threads import ENV
+
         torch.set_num_threads(int(spec["threads"]))
+        os.environ[ENV] = str(int(spec["threads"]))
     from memfit.measure.callback import ProbeCallback
     from memfit.train.api import train
 

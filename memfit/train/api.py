@@ -78,13 +78,17 @@ def preflight(run) -> list[str]:
 
 def cpu_threads() -> Optional[int]:
     """On CPU, unless OMP_NUM_THREADS is set: use the cores other processes leave idle (1-minute load
-    average). Oversubscribed OpenMP threads spin against each other and can make a step 10x slower."""
+    average). Oversubscribed OpenMP threads spin against each other and can make a step 10x slower.
+    Processes memfit starts (its launcher, ``memfit measure``) get OMP_NUM_THREADS, the count their
+    prediction is made at, so this applies to an in-process ``memfit train`` alone, whose own prediction
+    reads torch's thread count after it (memfit.spec.threads.run_threads)."""
     import torch
 
-    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+    from memfit.spec.threads import ENV, idle_cores
+
+    if torch.cuda.is_available() or ENV in os.environ or not hasattr(os, "getloadavg"):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n = max(1, min(torch.get_num_threads(), int(cores - os.getloadavg()[0] + 0.5)))
+    n = idle_cores(limit=torch.get_num_threads())
     torch.set_num_threads(n)
     return n
 

@@ -205,7 +205,7 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
     """One attempt under torchrun; returns None on success, or the error text of an OOM'd rank."""
     import subprocess
 
-    from memfit.distributed.launch import torchrun_command
+    from memfit.distributed.launch import launch_env, torchrun_command
     from memfit.spec.run import save_run
 
     markers = out / MARKER_DIR
@@ -217,7 +217,7 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
             "markers": str(markers)}
     (markers / "attempt.json").write_text(json.dumps(spec))
     cmd = torchrun_command("memfit.train.fallback_worker", [markers / "attempt.json"], nproc=run.distributed.nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(nproc=run.distributed.nproc))
     ooms = [json.loads(p.read_text()) for p in sorted(markers.glob("oom-rank*.json"))]
     if ooms:
         return "; ".join(f"rank {o['rank']}: {o['error']}" for o in ooms)
