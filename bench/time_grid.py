@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # calibrate, measure + predict (~11 min)
     .venv/bin/python bench/time_grid.py --reuse                      # re-predict the saved measurements
     .venv/bin/python bench/time_grid.py --quick                      # 6 configurations (smoke)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py --held-out # 8 drawn outside this grid (time_grid_heldout.py)
 
 Two model shapes built here with random weights (a Llama-style h 256 / 4 layers and a Qwen2-style
 h 128 / 4 layers with grouped-query attention and q/k/v biases); full / LoRA / QLoRA, checkpointing on
@@ -354,7 +355,7 @@ def report(out: Path, models: dict[str, Path], current_profile: bool = False) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/memfit-time-grid"))
+    ap.add_argument("--out", type=Path, default=None, help="default /tmp/memfit-time-grid[-held-out]")
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="re-predict the measurements saved under --out")
@@ -368,8 +369,16 @@ def main() -> int:
                     help="with --reuse: predict with this machine's cached profile, not the ones saved with the run")
     ap.add_argument("--only", type=str, default=None,
                     help="comma-separated configuration numbers to (re)measure, in new windows of their groups")
+    ap.add_argument("--held-out", action="store_true", help="configurations drawn outside this grid (time_grid_heldout.py)")
+    ap.add_argument("--n", type=int, default=8, help="with --held-out: how many")
+    ap.add_argument("--seed", type=int, default=0, help="with --held-out: the draw's seed")
     args = ap.parse_args()
+    args.out = args.out or Path("/tmp/memfit-time-grid" + ("-held-out" if args.held_out else ""))
     _measuring_environment()
+    if args.held_out:  # SHAPES and CELLS become the drawn ones, their models built; a header names them
+        import time_grid_heldout
+
+        time_grid_heldout.use(sys.modules[__name__], args.n, args.seed, args.models)
     models = build_models(args.models)
     cells = [CELLS[i] for i in QUICK] if args.quick else CELLS
     if not args.reuse:
