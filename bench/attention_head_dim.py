@@ -7,7 +7,7 @@ attention's two batched products (q·kᵀ, p·v).
 Prints per kernel and sequence length the median of 7 calls at (heads 4, d 32), (8, 16) and (2, 64), b = 1
 (SDPA causal), and the d = 64 figure predicted by the line through the other two. Then SDPA (h 8, d 16)
 across sequence lengths: GFLOP/s by the s² count and per score torch's CPU flash kernel computes
-(memfit.estimate.speeds.cpu_flash_work: whole 512-key blocks), which stays flat from 192 tokens on.
+(memfit.steptime.speeds.cpu_flash_work: whole 512-key blocks), which stays flat from 192 tokens on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from memfit.estimate.speeds import cpu_flash_work
+from memfit.steptime.cpu import cpu_flash_work
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

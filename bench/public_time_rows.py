@@ -304,7 +304,7 @@ def convert(row: dict, compiled: bool = False) -> TimeCase:
                     loop_overrides(row))
 
 
-# the HF Trainer's own work per step and micro-batch (memfit.estimate.loop.trainer_loop_ops): a source that runs
+# the HF Trainer's own work per step and micro-batch (memfit.steptime.loop.trainer_loop_ops): a source that runs
 # its own loop does none of it
 TRAINER_OPS = ("trainer_step_ops", "trainer_micro_batch_ops", "trainer_peft_ops", "trainer_adapter_step_ops",
                "trainer_adapter_micro_batch_ops", "trainer_outside_step_ops", "trainer_outside_micro_batch_ops",

@@ -48,7 +48,7 @@ def _measuring_environment() -> None:
     """Set (in main only) one thread per process and glibc's settled state for the measured processes (else
     memfit measure's 64 KiB threshold: every freed tensor over 64 kB re-faults), mmap threshold at its 32 MiB
     ceiling and trim at twice it; the first alone leaves trim at 128 KiB, re-faulting the heap (docs/time.md)."""
-    from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
+    from memfit.steptime.cpu import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(GLIBC_MMAP_THRESHOLD_MAX))

@@ -13,7 +13,7 @@ model's modules and parameters (``items``), which the Trainer walks every step �
 ``floating_point_ops``), and ``model.zero_grad()`` / accelerate's ``clip_grad_norm_(model.parameters())``.
 Prints per configuration the measured op-units — the whole iteration, and the part of it outside the step
 proper (the Trainer's logging and the next batch's fetch, measured within the same process, so steadier than
-the difference to the bare loop) — and what memfit.estimate.timing predicts.
+the difference to the bare loop) — and what memfit.steptime.step predicts.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from memfit.estimate import Profile, estimate
-from memfit.estimate.timing import exposed_comm
+from memfit.steptime.comm import exposed_comm
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import model_from_config
 from memfit.spec.strategy import Strategy
@@ -91,7 +91,7 @@ def test_optimizer_and_offload_by_hand():
     assert off["cpu_optimizer_seconds"] == pytest.approx(p / 8 * 8 / prof.cpu_adam_params_per_second_node)
     assert full["cpu_optimizer_seconds"] == 0.0
     # AdamW on the GPU: 80 B per fp32 parameter at adam_bandwidth_fraction of the HBM (2039 GB/s)
-    from memfit.estimate.speeds import catalog_speeds
+    from memfit.steptime.speeds import catalog_speeds
     sp = catalog_speeds(A100, "bf16-mixed", "sdpa", prof)
     assert sp.adam_per_param == pytest.approx(80.0 / (2039e9 * prof.adam_bandwidth_fraction))
     assert catalog_speeds(A100, "bf16", "sdpa", prof).adam_per_param == pytest.approx(sp.adam_per_param / 2)

@@ -59,7 +59,7 @@ def test_rule(monkeypatch):
 def test_measured_process_runs_the_predicted_threads(busy_machine, monkeypatch, tmp_path):
     """``memfit measure`` of one process, with the fork server's child run in this process up to the
     trainer: the threads torch runs there equal those the prediction was made at."""
-    from memfit.estimate.speeds import threads_per_process
+    from memfit.steptime.speeds import threads_per_process
     from memfit.measure import runner, worker
     from memfit.spec.run import run_from_dict
     from memfit.train import api
@@ -106,7 +106,7 @@ def test_multiprocess_measure_gives_torchrun_the_predicted_threads(busy_machine,
     """Under torchrun (which sets 1 thread where OMP_NUM_THREADS is unset) every rank gets the count the
     prediction used."""
     from memfit.errors import MemfitError
-    from memfit.estimate.speeds import threads_per_process
+    from memfit.steptime.speeds import threads_per_process
     from memfit.measure import runner
     from memfit.spec.run import run_from_dict
 
@@ -134,7 +134,7 @@ def test_launcher_and_prediction_share_the_rule(monkeypatch):
     """memfit's launcher gives each process the count a prediction for that many processes reads, also
     where this process may use fewer cores than the machine has (taskset, a container's cpuset)."""
     from memfit.distributed.launch import launch_env
-    from memfit.estimate.speeds import threads_per_process
+    from memfit.steptime.speeds import threads_per_process
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
@@ -148,7 +148,7 @@ def test_launcher_and_prediction_share_the_rule(monkeypatch):
 def test_in_process_train_predicts_what_it_picked(busy_machine):
     """An in-process ``memfit train`` may take fewer threads on a busy machine; its prediction, made in
     the same process, reads that choice."""
-    from memfit.estimate.speeds import threads_per_process
+    from memfit.steptime.speeds import threads_per_process
     from memfit.train.api import cpu_threads
 
     if torch.cuda.is_available():

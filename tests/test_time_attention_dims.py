@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from memfit.estimate import estimate
-from memfit.estimate.speeds import Speeds
+from memfit.steptime.speeds import Speeds
 from memfit.spec.model import model_from_config
 from memfit.spec.strategy import Strategy
 from test_time_model import cpu_pool

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from memfit.estimate import estimate
-from memfit.estimate.speeds import Speeds, cpu_flash_work
+from memfit.steptime.speeds import Speeds
+from memfit.steptime.cpu import cpu_flash_work
 from memfit.spec import hwprofile
 from memfit.spec.strategy import Strategy
 from test_time_attention_dims import _model, _speeds

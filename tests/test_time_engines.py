@@ -1,11 +1,11 @@
 """The sharded engines' time on a CPU: FSDP2's collectives per wrapped group, DeepSpeed's and FSDP2's host work
-(memfit.estimate.engine_host), and the gloo calibration's mean per call (memfit.measure.collective_bench)."""
+(memfit.steptime.engine_host), and the gloo calibration's mean per call (memfit.measure.collective_bench)."""
 
 import pytest
 
 from memfit.estimate import Profile, estimate
-from memfit.estimate.engine_host import engine_host_seconds
-from memfit.estimate.timing import collective_calls
+from memfit.steptime.engine_host import engine_host_seconds
+from memfit.steptime.comm import collective_calls
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.strategy import Strategy
 from test_time_model import TINY, cpu_pool
@@ -27,7 +27,7 @@ def test_fsdp2_collectives_one_per_wrapped_group():
 
 
 def test_fsdp2_gathers_twice_per_micro_batch_with_or_without_checkpointing():
-    from memfit.estimate.timing import comm_parts
+    from memfit.steptime.comm import comm_parts
 
     # 10 MB of weights, 1e6 trainable parameters of 4-byte gradients, 2 micro-batches
     assert comm_parts("zero3", 0, 1e7, 1e6, 4, 4, 2, True, fsdp=True) == {"all_gather": 2 * 2 * 1e7,

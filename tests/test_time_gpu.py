@@ -3,8 +3,8 @@
 import pytest
 
 from memfit.estimate import estimate
-from memfit.estimate.loop import CLIP_FOREACH_OPS
-from memfit.estimate.timing import trainable_tensors
+from memfit.steptime.loop import CLIP_FOREACH_OPS
+from memfit.steptime.step import trainable_tensors
 from memfit.spec import hwprofile
 from memfit.spec.hardware import CATALOG, HardwareSpec
 from memfit.spec.model import model_from_config

@@ -3,7 +3,7 @@
 import pytest
 
 from memfit.estimate import Profile
-from memfit.estimate.loop import trainer_loop_ops
+from memfit.steptime.loop import trainer_loop_ops
 
 
 def test_trainer_loop_by_step_micro_batch_and_adapter():

@@ -1,4 +1,4 @@
-"""The time model (memfit.estimate.timing / speeds), the hardware profile file and `calibrate --hardware`."""
+"""The time model (memfit.steptime.step / speeds), the hardware profile file and `calibrate --hardware`."""
 
 import json
 import subprocess
@@ -68,7 +68,7 @@ def test_measured_rates_by_hand(monkeypatch):
 
 
 def test_lora_elementwise_bytes_from_peft_forward(monkeypatch):
-    from memfit.estimate.timing import lora_elementwise_bytes
+    from memfit.steptime.work import lora_elementwise_bytes
 
     # fp32, no dropout: forward scale (2n) + add (3n); backward scale grad (2n) + x's two grads summed (3k)
     assert lora_elementwise_bytes(64, 128, 4.0, False, False, False) == 4 * (7 * 128 + 3 * 64)
@@ -111,7 +111,7 @@ def test_eager_in_two_parts_and_measured_checkpointing(monkeypatch):
 
 
 def test_deepspeed_zero12_all_reduce_their_buckets():
-    from memfit.estimate.timing import comm_parts
+    from memfit.steptime.comm import comm_parts
 
     # stage_1_and_2.py average_tensor: all-reduce per bucket (use_multi_rank_bucket_allreduce=True), then the
     # all-gather of the updated fp32->16-bit params at the step
@@ -285,7 +285,7 @@ def test_plan_batch_picks_the_fastest_micro_batch():
 
 
 def test_adamw_per_parameter_by_tensor_size():
-    from memfit.estimate.speeds import Speeds
+    from memfit.steptime.speeds import Speeds
 
     sp = Speeds(basis="", gemm_small=1, gemm_large=1, width_small=1, width_large=1, gemm_skinny=1, attention=((1, 1),),
                 bandwidth=1, op_seconds=0, overlap_dispatch=False, adam_per_param=6e-9, adam_per_tensor=0,
@@ -298,7 +298,7 @@ def test_adamw_per_parameter_by_tensor_size():
 
 
 def test_page_faults_of_tensors_above_the_mmap_threshold(monkeypatch):
-    from memfit.estimate.faults import fresh_bytes, mmap_threshold
+    from memfit.steptime.cpu import fresh_bytes, mmap_threshold
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert mmap_threshold() == 32 << 20  # glibc's dynamic threshold settles at its 64-bit ceiling
@@ -326,7 +326,7 @@ def test_page_faults_of_tensors_above_the_mmap_threshold(monkeypatch):
 
 
 def test_deepspeed_zero12_all_reduce_calls_per_bucket_or_parameter():
-    from memfit.estimate.timing import collective_calls
+    from memfit.steptime.comm import collective_calls
 
     # 39 tensors, 3.4M parameters, reduce bucket h² = 65,536 elements: one all-reduce per parameter
     # (min(39, 52)) per micro-batch under ZeRO-2, + the parameters' all-gather at the step
@@ -337,7 +337,7 @@ def test_deepspeed_zero12_all_reduce_calls_per_bucket_or_parameter():
 
 
 def test_qlora_fp32_stream_moves_4_byte_values_and_casts_around_each_linear4bit():
-    from memfit.estimate.timing import elementwise_bytes, kbit_cast_bytes
+    from memfit.steptime.work import elementwise_bytes, kbit_cast_bytes
 
     # TINY's linears: sum (in + out) = 128 + 96 + 96 + 128 + 192 + 192 + 192 = 1,024 values; bf16: 6 B each
     assert kbit_cast_bytes(TINY, 2.0) == 6 * 1024
@@ -392,7 +392,7 @@ def test_profile_is_the_median_of_the_kept_calibrations():
 
 
 def test_fresh_gradients_and_adamw_temporaries_of_large_tensors_each_step():
-    from memfit.estimate.faults import step_fresh_bytes
+    from memfit.steptime.cpu import step_fresh_bytes
 
     # a 50k x 256 embedding and head in fp32 (51.5 MB each) and a 256 x 688 linear (0.7 MB): each large tensor
     # gets a new gradient and AdamW's sqrt and division on a CPU, 3 x 51.5 MB; the small one none

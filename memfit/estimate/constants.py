@@ -70,7 +70,7 @@ class Profile:
     trainer_outside_step_ops: float = 58.0  # per optimizer step
     trainer_outside_micro_batch_ops: float = 29.0  # per micro-batch
     overlap_cpu_comm: float = 0.0  # CPU processes: gloo's collectives share the cores with compute (none hidden)
-    # the sharded engines' host work on a CPU (memfit.estimate.engine_host; counted / measured on 2-rank gloo runs
+    # the sharded engines' host work on a CPU (memfit.steptime.engine_host; counted / measured on 2-rank gloo runs
     # of a 39-tensor h-256 Llama, docs/time.md "Sharded engines on a CPU"), in small-op costs (op_seconds)
     deepspeed_grad_ops: float = 30.0  # DeepSpeed 0.19.8 ZeRO-1/2 host work per gradient per reduction (stage_1_and_2.py gradient hook -> reduce_ipg_grads -> average_tensor: IPG bucket copy, post-scale, all_reduce launch, copy back, partition copy; 14.3 aten ops counted): 17-30 ms main-thread CPU per step over 39 gradients less ~7.4 ms of copies, op_seconds 10.4 us beside it
     deepspeed_step_ops: float = 35.0  # DeepSpeed ZeRO-1/2 step's host work per gradient (get_grad_norm_direct, the flat partition's bookkeeping, timers, memory reports; 9.6 aten ops counted): 21-26 ms CPU less its flat AdamW (~5 ms) and ~2.6 ms of copies, over 39 gradients at op_seconds 10.4 us

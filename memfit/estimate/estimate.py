@@ -10,7 +10,7 @@ The parts: :mod:`~memfit.estimate.setup` (the call's facts), each method's own t
 (:mod:`memfit.methods`: trained and frozen bytes, adapter tensors, MEFT's buffers and traffic),
 :mod:`~memfit.estimate.states` (model states, engine buffers), :mod:`~memfit.estimate.saved` (what the
 forward saves), :mod:`~memfit.estimate.peak` (the phases' peak, fragmentation), :mod:`~memfit.estimate.host`
-(CPU RAM, verdict) and :mod:`~memfit.estimate.timing` (step time).
+(CPU RAM, verdict) and :mod:`~memfit.steptime.step` (step time).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memfit.estimate import cuda as CU
-from memfit.estimate import timing as T
+from memfit.steptime import step as T
 from memfit.estimate.constants import Profile
 from memfit.estimate.host import cpu_lines, verdict
 from memfit.estimate.meft import meft_traffic_bytes  # noqa: F401  (memfit.estimate's public name)
@@ -83,7 +83,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- CPU RAM per node -------------------------------------------------------------------------
     cpu, steady = cpu_lines(run, states, adapter.host)
 
-    # ---- time (memfit.estimate.timing: parts at measured or catalog speeds) ----------------------
+    # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
     timed = T.step_time(model, hardware, strategy, profile, engine=run.engine, p_t=params.trainable,
                         adapted=params.adapted,
                         gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,

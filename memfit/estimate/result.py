@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.estimate.accuracy import published_error, run_kind
-from memfit.estimate.speeds import GPU_PARTS
+from memfit.steptime.speeds import GPU_PARTS
 from memfit.steptime.accuracy import published_time_error
 
 GPU_FORMULA_LINES = ("weights", "gradients", "optimizer", "activations", "logits", "lora_intermediates", "meft_buffers",

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX
-from memfit.estimate.speeds import log_interp
+from memfit.steptime.cpu import GLIBC_MMAP_THRESHOLD_MAX
+from memfit.steptime.speeds import log_interp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +130,7 @@ def _sdpa_seconds(b: int, h: int, s: int, d: int, device: str, dt: torch.dtype, 
 
 def attention_rates(device: str, dtypes: list[str], timer: Timer, first_touch: float = 0.0) -> dict[str, dict]:
     """kind -> dtype -> {seq: FLOP/s}: at a short and a long sequence (the s² scores leave the caches) and, on
-    a CPU, at 128 (torch's flash kernel takes 32-row query blocks below 192 tokens: memfit.estimate.speeds).
+    a CPU, at 128 (torch's flash kernel takes 32-row query blocks below 192 tokens: memfit.steptime.speeds).
     SDPA is timed there (and its forward alone: what checkpointing's recomputation adds); eager is timed
     in its two parts (:func:`eager_parts`) and its curve at those lengths follows from them."""
     b, h, d, lengths = (2, 16, 128, (1024, 4096)) if device == "cuda" else (1, 4, 32, (128, 256, 1024))
@@ -201,7 +201,7 @@ def eager_parts(device: str, dtype: str, timer: Timer, first_touch: float = 0.0)
         nbytes = b * h * s * s * size
         t = timer(both, reps=3, warmup=device != "cpu" or nbytes < GLIBC_MMAP_THRESHOLD_MAX)
         # the page faults of its five new matrices (scale, mask add, softmax; two gradients) when they are
-        # above glibc's mmap threshold: counted apart by the time model (memfit.estimate.faults)
+        # above glibc's mmap threshold: counted apart by the time model (memfit.steptime.cpu)
         faults = first_touch * nbytes * 5 if nbytes >= GLIBC_MMAP_THRESHOLD_MAX else 0.0
         out["scores"][str(nbytes)] = max(t - faults, 0.5 * t) / (b * h * s * s)
         if not faults:  # the forward's share, where page faults do not blur it (and it costs least to time)
@@ -227,7 +227,7 @@ def bandwidth_rate(device: str, timer: Timer) -> float:
 
 def first_touch_seconds_per_byte(timer: Timer) -> float:
     """CPU: seconds per byte a fresh 64 MB tensor (mmapped by glibc, zeroed page by page on first touch:
-    memfit.estimate.faults) costs over an existing one. A mapping of its own, not ``torch.empty``, which a
+    memfit.steptime.cpu) costs over an existing one. A mapping of its own, not ``torch.empty``, which a
     long-lived process may serve from freed heap pages (the figure read ~0: docs/time.md)."""
     import mmap
 

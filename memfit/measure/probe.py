@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from memfit.estimate.faults import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
+from memfit.steptime.cpu import GLIBC_MMAP_THRESHOLD_MAX, GLIBC_SETTLED_TRIM_THRESHOLD
 
 # profiler category -> memfit component name (the keys of measured["components"]).
 _CATEGORY_NAMES = {

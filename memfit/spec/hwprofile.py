@@ -3,7 +3,7 @@
 ``memfit calibrate --hardware`` (``memfit.measure.hwcal``) times what a training step spends its time on
 and writes one JSON file per machine fingerprint under the user cache dir
 (``$MEMFIT_CACHE``, else ``$XDG_CACHE_HOME/memfit``, else ``~/.cache/memfit``). ``parse_hardware("local")``
-attaches the cached file's rates to the pool; the time model (``memfit.estimate.timing``) uses them and
+attaches the cached file's rates to the pool; the time model (``memfit.steptime.step``) uses them and
 names the basis of every time figure. A corrupt file, one of another machine or another schema is
 ignored with a one-line note.
 

@@ -1,6 +1,6 @@
 """The CPU threads each process of a run uses: one decision, read by the prediction and by the runs.
 
-:func:`run_threads` is the only rule. The time model reads it (memfit.estimate.speeds.threads_per_process)
+:func:`run_threads` is the only rule. The time model reads it (memfit.steptime.speeds.threads_per_process)
 and whatever starts training processes passes the same number on to them as ``OMP_NUM_THREADS`` (memfit's
 launcher, ``memfit measure``'s runner), so a predicted step and the step that runs use the same threads
 by construction. The one exception is an in-process ``memfit train`` without ``OMP_NUM_THREADS``: it may

@@ -1,5 +1,7 @@
-"""The GPU step-time model, from parts: GEMMs by shape (gemm), attention kernels by sequence length
-(attention), memory-bound work by bytes and transfer size (GpuRates.bandwidth), the host's dispatch (host),
-per catalog GPU kind (devices, rates); ``micro`` puts one micro-batch together. What a layer's work is
-(bytes, ops) is counted once for every device in ``work``; the CPU's own mechanisms stay with its
-calibrated model (memfit.estimate.speeds, faults)."""
+"""The step-time model, from parts. ``step`` puts one optimizer step together; a micro-batch is priced by
+``micro`` on a catalog GPU (``gemm``, ``attention``, ``host``, at its kind's ``rates`` from ``devices``) or by
+``measured`` at the speeds ``memfit calibrate --hardware`` measured (``speeds``); ``comm`` holds the engines'
+collectives, ``loop`` the optimizer phase and the HF Trainer's own loop. What a layer's work is (bytes, ops)
+is counted once for every device in ``work``; the CPU's own mechanisms (first-touch page faults, glibc's
+thresholds, the CPU flash kernel's blocks) live in ``cpu`` and ``engine_host``, off every GPU estimate's
+path. ``accuracy`` reads the held-out error on published GPU runs."""

@@ -36,7 +36,7 @@ def host_seconds(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: b
     """Host seconds of one micro-batch: its module-level ops, forward + backward (+ the recomputed forward),
     at ``gpu_host_op_seconds``, and DeepSpeed ZeRO-1/2's gradient hooks in the backward
     (``deepspeed_grad_ops`` per trainable tensor per reduction, counted on CPU runs in small-op costs:
-    memfit.estimate.engine_host; priced at ``cpu_op_seconds``, the unit they were counted in): every
+    memfit.steptime.engine_host; priced at ``cpu_op_seconds``, the unit they were counted in): every
     micro-batch under ZeRO-2, once per step under ZeRO-1 (here its share per micro-batch)."""
     hooks = 0.0
     if engine in ("zero1", "zero2"):

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from memfit.estimate.constants import Profile
 from memfit.spec.hardware import HardwareSpec
+from memfit.steptime.cpu import CPU_FLASH_SHORT, cpu_flash_work
 from memfit.steptime.devices import device_kind
 from memfit.steptime.rates import GpuRates, gpu_rates
 
@@ -40,30 +40,6 @@ def log_interp(pts, x: float) -> float:
 
 
 CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel does (the lower triangle)
-# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp at torch 2.13,
-# flash_attention_kernel_impl / flash_attention_backward_kernel_impl): query blocks of 256 rows from 768 tokens,
-# 64 from 192, else 32; key blocks of 512. A causal query block stops after the key block that holds its last
-# row, so the scores above the diagonal are skipped only in whole 512-key blocks (cpu_flash_work)
-CPU_FLASH_Q_BLOCKS = ((768, 256), (192, 64), (0, 32))
-CPU_FLASH_KV_BLOCK = 512
-# 192: below it the 32-row query blocks run ~15 % slower per score (docs/time.md, "attention")
-CPU_FLASH_SHORT = CPU_FLASH_Q_BLOCKS[1][0]
-
-
-def cpu_flash_work(seq: float) -> float:
-    """The share of the s² causal scores torch's CPU flash kernel computes, forward and backward alike:
-    1.0 up to 512 tokens (one key block), 0.78 at 768, 0.75 at 1024, 0.63 at 2048. Per computed score its
-    speed is flat: d = 16 ran at 34, 34, 33, 33 GFLOP/s per computed score at 256, 512, 768, 1024 tokens on
-    this CPU where the s² count read 34, 34, 42, 44 (docs/time.md, "attention")."""
-    s = max(1, int(round(seq)))
-    q = next(rows for start, rows in CPU_FLASH_Q_BLOCKS if s >= start)
-    done = 0
-    for m in range(0, s, q):
-        rows = min(q, s - m)
-        done += rows * min(-(-(m + rows) // CPU_FLASH_KV_BLOCK) * CPU_FLASH_KV_BLOCK, s)
-    return done / float(s * s)
-
-
 @dataclass(frozen=True)
 class Speeds:
     basis: str
@@ -198,7 +174,7 @@ def _dtype(precision: str, device: str) -> str:
     return "fp16" if precision.startswith("fp16") else "bf16"
 
 
-def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
     cpu = rates.device == "cpu"
     threads = threads_per_process(hw) if cpu else 0
     share = min(1.0, rates.cores / float(threads * hw.gpus_per_node)) if cpu else 1.0
@@ -290,7 +266,7 @@ def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:
             None if gc is None else float(gc) / share)
 
 
-def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
     """The uncalibrated speeds: for a CPU, the core-count FLOP/s guess (N processes share the cores); for a
     catalog GPU, its kind's rates (memfit.steptime: the micro-batch is priced from parts there)."""
     p, gpu = profile, hw.gpu
@@ -323,7 +299,7 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Pr
         dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager", gpu=g)
 
 
-def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Profile) -> Speeds:
+def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
     """Measured speeds for a calibrated 'local' pool of the same device kind, else the catalog's."""
     rates: Optional[Any] = getattr(hw, "rates", None)
     if rates is None:  # the catalog's: by identity first (hashing the Profile's fields costs more than the rest)
@@ -347,7 +323,7 @@ _CACHE: dict = {}
 _BY_ID: dict = {}
 
 
-def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: Profile) -> Speeds:
+def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: Any) -> Speeds:
     if rates is not None and (rates.device == "cpu") == bool(hw.gpu.is_cpu):
         try:
             return measured_speeds(rates, hw, precision, attention, profile)

@@ -3,8 +3,9 @@ accumulation) and the HF Trainer's own loop."""
 
 from __future__ import annotations
 
-from memfit.estimate.constants import Profile
-from memfit.estimate.speeds import Speeds
+from typing import Any
+
+from memfit.steptime.speeds import Speeds
 
 
 # torch.nn.utils.clip_grad_norm_ with foreach (CUDA; torch/nn/utils/clip_grad.py): group, _foreach_norm, stack
@@ -32,7 +33,7 @@ def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: floa
     return max(adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + clip + accumulate)
 
 
-def trainer_loop_ops(p: Profile, ga: int, adapters: int) -> float:
+def trainer_loop_ops(p: Any, ga: int, adapters: int) -> float:
     """The HF Trainer's own work per loop iteration beyond the bare loop (forward, backward, clipping, AdamW),
     in small-op costs: per step, per micro-batch, and with a PEFT model its wrappers and a share per adapted
     linear; then the loop around the step (logging, the next batch's fetch). bench/trainer_overhead.py

@@ -31,12 +31,13 @@ engines take other paths (unmeasured): not added.
 
 from __future__ import annotations
 
-from memfit.estimate.constants import Profile
+from typing import Any
+
 
 
 def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: float, p_t: float, g_b: float,
                         gather_bytes: float, n: int, ga: int, op_seconds: float, bandwidth: float,
-                        p: Profile) -> float:
+                        p: Any) -> float:
     """Seconds per optimizer step of the engine's host work outside its collectives and the optimizer's
     own sweep: ``tensors`` trainable tensors (all of them, not a shard), ``tensors_all`` every parameter
     tensor (FSDP's hooks visit the frozen ones too), ``p_t`` trainable parameters of
@@ -50,7 +51,7 @@ def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: fl
         per = tensors * p.deepspeed_grad_ops * op_seconds + (6.0 + 2.0 / n) * grads / bandwidth
         return reductions * per + tensors * p.deepspeed_step_ops * op_seconds
     if fsdp and engine in ("zero3", "sgo"):
-        gathers = 1.0 if engine == "sgo" else 2.0  # as memfit.estimate.timing.comm_parts (none more under gc)
+        gathers = 1.0 if engine == "sgo" else 2.0  # as memfit.steptime.step.comm_parts (none more under gc)
         copies = gathers * gather_bytes * (2.0 + 2.0 / n) + grads * (2.0 + 2.0 / n)
         per = tensors_all * p.fsdp2_ops_per_param * op_seconds + copies / bandwidth
         return ga * per + tensors * p.adamw_ops_per_tensor * p.dtensor_op_extra * op_seconds

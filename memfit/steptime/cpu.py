@@ -61,3 +61,27 @@ def step_fresh_bytes(tensors: list[float], threshold: float, e_grad: float) -> f
     for n in tensors:
         out += (n * e_grad if n * e_grad >= threshold else 0.0) + (2.0 * n * 4.0 if n * 4.0 >= threshold else 0.0)
     return out
+
+
+# torch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp at torch 2.13,
+# flash_attention_kernel_impl / flash_attention_backward_kernel_impl): query blocks of 256 rows from 768 tokens,
+# 64 from 192, else 32; key blocks of 512. A causal query block stops after the key block that holds its last
+# row, so the scores above the diagonal are skipped only in whole 512-key blocks (cpu_flash_work)
+CPU_FLASH_Q_BLOCKS = ((768, 256), (192, 64), (0, 32))
+CPU_FLASH_KV_BLOCK = 512
+# 192: below it the 32-row query blocks run ~15 % slower per score (docs/time.md, "attention")
+CPU_FLASH_SHORT = CPU_FLASH_Q_BLOCKS[1][0]
+
+
+def cpu_flash_work(seq: float) -> float:
+    """The share of the s² causal scores torch's CPU flash kernel computes, forward and backward alike:
+    1.0 up to 512 tokens (one key block), 0.78 at 768, 0.75 at 1024, 0.63 at 2048. Per computed score its
+    speed is flat: d = 16 ran at 34, 34, 33, 33 GFLOP/s per computed score at 256, 512, 768, 1024 tokens on
+    this CPU where the s² count read 34, 34, 42, 44 (docs/time.md, "attention")."""
+    s = max(1, int(round(seq)))
+    q = next(rows for start, rows in CPU_FLASH_Q_BLOCKS if s >= start)
+    done = 0
+    for m in range(0, s, q):
+        rows = min(q, s - m)
+        done += rows * min(-(-(m + rows) // CPU_FLASH_KV_BLOCK) * CPU_FLASH_KV_BLOCK, s)
+    return done / float(s * s)

@@ -1,0 +1,83 @@
+"""The engines' collectives on every device: bytes per primitive, launches, and how much of them a step waits
+for (memfit.steptime.step)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
+
+
+def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
+               ga: int, checkpointing: bool, fsdp: bool = False) -> dict[str, float]:
+    """Bytes per optimizer step each GPU's collectives move, by primitive (bus convention: an all-reduce of
+    S bytes counts 2·S, an all-gather its gathered output, a reduce-scatter its full input).
+
+    ddp: all-reduce of trainable grads at the step. zero1 / zero2: DeepSpeed (0.19.8,
+    runtime/zero/stage_1_and_2.py ``average_tensor``) reduces each gradient bucket with an **all-reduce**
+    (``use_multi_rank_bucket_allreduce`` defaults to True, zero/config.py), then keeps its partition: at the
+    step (zero1) or every micro-batch (zero2), + the all-gather of the updated params at the step
+    (runtime/utils.py ``all_gather_into_tensor_dp_groups``). shard_grad_op: reduce-scatter every micro-batch
+    and gathers all params once per micro-batch. zero3/full_shard: every micro-batch gathers all weights in
+    forward and again in backward (ZeRO-3: and in recomputation; FSDP2's recomputes under the backward's
+    gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py)."""
+    if engine_kind == "ddp":
+        return {"all_reduce": 2.0 * p_t * g_b}
+    if engine_kind in ("zero1", "zero2"):
+        return {"all_reduce": (ga if engine_kind == "zero2" else 1) * 2.0 * p_t * g_b, "all_gather": p_t * w_b}
+    if engine_kind == "sgo":
+        return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
+    gathers = 3.0 if checkpointing and not fsdp else 2.0
+    return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
+
+
+def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
+                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False) -> float:
+    """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers.
+
+    DeepSpeed ZeRO-1/2 (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` /
+    ``allreduce_and_scatter``) flushes its gradient bucket of ``reduce_bucket_size`` elements (memfit's
+    default h², HF's 'auto') and all-reduces slices of at most one bucket, a parameter larger than the
+    bucket alone: min(trainable tensors, P_t / bucket) all-reduces per reduction (counted on a 2-rank gloo
+    run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters. FSDP2, L + 2
+    groups as accelerate wraps (fsdp_utils.py: layers, input embedding, [norm, lm_head]): per micro-batch a
+    gather per group, again in backward but the tail's (full_shard), a reduce-scatter per group (11 + 6)."""
+    if fsdp and engine_kind in ("zero3", "sgo"):
+        groups = layers + 2
+        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0) + groups))
+    if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
+        per = min(tensors, math.ceil(p_t / reduce_bucket))
+        return float((ga if engine_kind == "zero2" else 1) * per + 1)
+    calls = math.ceil(nbytes / BUCKET_BYTES) if nbytes > 0 else 0
+    if engine_kind == "zero3":
+        calls += ga * layers * (4 if checkpointing else 3)
+    elif engine_kind in ("zero2", "sgo"):
+        calls += ga * layers
+    return float(calls)
+
+
+def overlap_for(engine_kind: str, profile: Any, cpu: bool = False) -> float:
+    """The share of the micro-batches' device time behind which the engine's collectives can run (GPUs), or
+    the share of them hidden (CPU processes: none, gloo shares the cores)."""
+    if cpu:
+        return profile.overlap_cpu_comm
+    if engine_kind == "ddp":
+        return profile.overlap_ddp
+    if engine_kind in ("zero1", "zero2", "sgo"):
+        return profile.overlap_zero12
+    return profile.overlap_zero3
+
+
+def exposed_comm(comm_s: float, device_s: float, engine_kind: str, profile: Any, cpu: bool, layers: int) -> float:
+    """Collective seconds the step waits for. CPU processes: all but the hidden share. GPUs: NCCL runs on its
+    own streams beside the kernels, so the collectives hide behind up to ``overlap_for`` of the device's
+    compute (DDP's bucketed all-reduce behind the backward; FSDP / ZeRO-3's prefetched gathers behind forward
+    and backward), and at least one layer's worth (the first gather, the last reduction) is exposed. A hidden
+    collective still slows the kernels beside it (``comm_overlap_tax`` of its time: NCCL's channels are thread
+    blocks on the SMs, and they stream through the same HBM)."""
+    if cpu or device_s <= 0.0:
+        return comm_s * (1.0 - overlap_for(engine_kind, profile, cpu))
+    window = overlap_for(engine_kind, profile) * device_s
+    hidden = min(comm_s, window)
+    return max(comm_s - window, comm_s / (layers + 2)) + profile.comm_overlap_tax * hidden

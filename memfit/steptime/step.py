@@ -1,0 +1,112 @@
+"""Time of one optimizer step (= grad_accum micro-batches on every GPU / process), from its parts.
+
+A micro-batch is priced by memfit.steptime.micro on a catalog GPU (GEMMs by shape, attention by length,
+bytes by transfer size, the host's dispatch) or by memfit.steptime.measured at measured speeds (this CPU, a
+calibrated GPU). Per step then: the optimizer (AdamW per parameter and per tensor), gradient clipping and
+accumulation (memfit.steptime.loop), the engine's collectives less what overlaps (memfit.steptime.comm),
+offload traffic and the CPU optimizer, MEFT's transfers and CPU search, the engines' host work
+(memfit.steptime.host on GPUs, memfit.steptime.engine_host on CPUs) and the Trainer's own loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.spec.hardware import HardwareSpec
+from memfit.spec.model import ModelSpec
+from memfit.steptime.comm import collective_calls, comm_parts, exposed_comm
+from memfit.steptime.cpu import mmap_threshold, step_fresh_bytes
+from memfit.steptime.engine_host import engine_host_seconds
+from memfit.steptime.host import step_host_seconds
+from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
+from memfit.steptime.measured import micro_batch
+from memfit.steptime.micro import micro_batch as gpu_micro_batch
+from memfit.steptime.speeds import speeds_for
+
+
+def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
+    """Parameter tensors the optimizer visits: every weight, bias and norm (full), two per adapted linear
+    (LoRA), one router per layer (MEFT)."""
+    if method == "full":
+        per_layer = len(model.linears) + len(model.biases) + model.norms_per_layer
+        return float(model.layers * per_layer + 2 + (0 if model.tie_embeddings else 1))
+    if method == "meft":
+        return float(model.layers)
+    return float(model.layers * adapted * 2)
+
+
+def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
+              adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
+              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
+              fsdp: bool = False) -> dict[str, Any]:
+    """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
+    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
+    prec, method, ga = st.precision, st.method, st.grad_accum
+    n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
+    sp = speeds_for(hw, prec, st.attention, p)
+    e = 4.0 if prec == "fp32" else 2.0
+    router = p_t if method == "meft" else 0.0
+    tensors_t = trainable_tensors(model, method, len(adapted))
+    if sp.gpu is not None:  # a catalog GPU: the parts model (memfit.steptime)
+        mb = gpu_micro_batch(model, sp.gpu, st, e, method == "full", adapted, meft_rows, router, fp32_stream, p,
+                             "fsdp" if fsdp else engine, tensors_t)
+    else:  # adapted: empty unless LoRA-style (the registry)
+        mb = micro_batch(model, sp, st, e, method == "full", adapted, meft_rows, router, fp32_stream)
+    off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
+    local = p_t / (n if shard_o else 1)
+    # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
+    tensors = tensors_t / (n if shard_o and not fsdp else 1)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
+        share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
+        big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
+            [lin.parameters / share for lin in model.linears] * model.layers
+        optim_s += sp.first_touch * step_fresh_bytes(big, mmap_threshold(), 2.0 if prec == "bf16" else 4.0)
+    cpu_opt_s = 0.0
+    if off_opt:
+        cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
+    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing, fsdp) if n > 1 else {}
+    cbytes = sum(parts.values())
+    comm_s = 0.0
+    if cbytes:
+        calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
+                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
+        comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
+    exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0), engine, p, cpu, model.layers)
+    pcie_b = 0.0
+    if off_opt:
+        pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
+    if off_par:
+        pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
+    offload_s = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
+    traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
+    meft_s = 0.0
+    if meft_traffic is not None:
+        traffic["h2d"], traffic["d2h"] = meft_traffic["h2d"], meft_traffic["d2h"]
+        moved = 0.0 if cpu else meft_traffic["h2d"] / sp.h2d + meft_traffic["d2h"] / sp.d2h
+        experts = meft_traffic["experts"]
+        search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
+        cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
+        cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
+        meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    engine_s = step_host_seconds(engine if not fsdp else "fsdp", tensors_t, p) if sp.gpu else 0.0
+    engine_s += 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
+        engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
+        sp.op_seconds, sp.bandwidth, p)
+    trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
+    trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
+    step = ga * mb["seconds"] + optim_s + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
+    flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
+    tokens = n * st.micro_batch_size * ga * st.seq_len
+    time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
+            "compute_seconds": ga * mb["seconds"], "matmul_seconds": ga * mb["matmul_seconds"],
+            "attention_seconds": ga * mb["attention_seconds"],
+            "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
+            "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
+            "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
+            "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
+            "engine_seconds": engine_s,
+            "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
+            "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
+            "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}
+    return {"time": time, "traffic": traffic, "floor_seconds": flops / sp.peak}
