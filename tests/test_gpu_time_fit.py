@@ -26,7 +26,7 @@ def test_held_out_figures_on_public_rows_do_not_regress():
     preds, _ = F.held_out(cases)
     s = F.summary(cases, preds)
     assert s["n"] >= 80
-    assert s["median_abs"] <= 0.25
+    assert s["median_abs"] <= 0.15  # docs/gpu-time.md: 14.3 % held out (in-sample 11.6 %)
     fms = [(c, p) for c, p in zip(cases, preds) if c.group == "fms-main"]
     assert F.summary([c for c, _ in fms], [p for _, p in fms])["kendall"]["fms-main/mistral-7b/A100-80GB x1"]["tau"] >= 0.8
 

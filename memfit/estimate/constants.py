@@ -36,6 +36,7 @@ class Profile:
     gemm_large_width: float = 4096.0  # width of a "large" linear
     # ---- time: catalog GPUs, from parts (memfit.steptime; each part's source in its module, docs/gpu-time.md) ----
     gemm_max_fraction: float = 0.9  # fitted on the public GPU throughputs (bench/gpu_time_fit.py; the grid's upper bound, the best published fraction ~0.87-0.9); prior 0.8: best achievable bf16 GEMM / dense peak where memfit.steptime.devices has no published figure (A100 0.87, H100 0.80: stas00/ml-engineering "maximum achievable matmul FLOPS")
+    matmul_sustained_fraction: float = 0.85  # fitted (bench/gpu_time_fit.py): the share of a kind's published best achievable matmul rate (memfit.steptime.devices: A100 0.87, H100 0.80 of peak, a hot GEMM of ideal shape) its GEMMs sustain inside a training step; one factor for every published kind, judged held out on four A100/H100 groups
     gemm_kernel_seconds: float = 5e-6  # a GEMM's fixed device time: XLA's measured H100 table (matmul_interpolator_data.h) 256x2048x256 6.4 us, 512x256x256 5.8 us
     gemm_small_tile_efficiency: float = 0.8  # a 64x128 cuBLAS tile's rate against a 128x128 one: puts XLA's H100 1024x1024x2048 at 357 TFLOP/s (measured 350; tests/test_steptime.py)
     bandwidth_max_fraction: float = 0.9  # elementwise kernels' achieved share of HBM bandwidth at >= 100 MB (Calculon systems/a100_80g.json: 0.90)

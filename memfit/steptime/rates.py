@@ -37,7 +37,10 @@ def gpu_rates(gpu, precision: str, profile) -> GpuRates:
     kind = device_kind(gpu.name)
     fp32 = precision == "fp32"
     peak = gpu.fp32_flops if fp32 else gpu.peak_flops
-    matmul_max = profile.utilization_fp32 if fp32 else (kind.matmul_max or profile.gemm_max_fraction)
+    # a published best-achievable figure is a hot GEMM of ideal shape; inside a training step GEMMs sustain
+    # matmul_sustained_fraction of it (clocks at the power limit, HBM shared with the kernels beside them)
+    published = kind.matmul_max * profile.matmul_sustained_fraction if kind.matmul_max else None
+    matmul_max = profile.utilization_fp32 if fp32 else (published or profile.gemm_max_fraction)
     return GpuRates(
         name=gpu.name, sms=kind.sms, peak=peak, fp32_peak=gpu.fp32_flops, matmul_max=matmul_max,
         gemm_kernel_seconds=profile.gemm_kernel_seconds, small_tile_efficiency=profile.gemm_small_tile_efficiency,
