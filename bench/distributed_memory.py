@@ -1,6 +1,16 @@
 """Per-rank model-state memory under DDP, ZeRO-1/2/3 (+offload) and FSDP2, measured on 2 CPU processes.
 
     .venv/bin/python bench/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
+    .venv/bin/python bench/distributed_memory.py --peak [--cases fsdp1/full,fsdp2/lora]   # allocator peak
+
+``--peak``: FSDP1 and FSDP2, full fine-tuning and LoRA, each in its own 2-process gloo launch: a tiny random
+Llama (h 256, 4 layers, vocab 2000, fp32, AdamW, micro-batch 2, sequence 512), wrapped as memfit's FSDP
+engines have accelerate wrap it — FSDP1: ``FullyShardedDataParallel`` with TRANSFORMER_BASED_WRAP on the
+decoder layers (+ PEFT's ``fsdp_auto_wrap_policy`` for LoRA), ``use_orig_params``, ``limit_all_gathers``,
+BACKWARD_PRE; FSDP2: ``fully_shard`` on every decoder layer, the untied embedding, the tail (final norm + head,
+``reshard_after_forward=False``) and the root (accelerate/utils/fsdp_utils.py fsdp2_prepare_model). Each rank
+measures its allocator peak over one step after a warm-up step (memfit's TensorMemoryProbe) against
+``memory.gpu_allocated_bytes`` for the same strategy on the ``2xCPU`` pool. ~30 s per case on 2 cores.
 
 Builds a tiny Llama (random weights), runs every engine for a full fine-tune and a LoRA in one torchrun
 launch (memfit.measure.engine_matrix, gloo), and a single-process reference with the same global batches.
@@ -54,7 +64,140 @@ def _estimate(model_dir: Path, sets: list[str], steps: int) -> int | None:
     return int(g["weights"] + g["optimizer"] + (cpu["offloaded_optimizer"] + cpu["offloaded_params"]) / 2)
 
 
+PEAK_RAW = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "num_hidden_layers": 4, "vocab_size": 2000}
+PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp2/full", "fsdp2/lora")
+
+
+def _peak_strategy(case: str):
+    from memfit.spec.strategy import Strategy
+
+    version, method = case.split("/")
+    return Strategy(method=method, precision="fp32", seq_len=512, micro_batch_size=2, fsdp="full_shard",
+                    fsdp_version=int(version[-1]), lora_dropout=0.0, lora_r=16,
+                    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def _wrap(model, case: str, peft_model):
+    import functools
+
+    import torch
+
+    version = case.split("/")[0]
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    if version == "fsdp1":
+        from torch.distributed.fsdp import BackwardPrefetch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        if peft_model:
+            from peft.utils.other import fsdp_auto_wrap_policy
+
+            policy = fsdp_auto_wrap_policy(model)
+        else:
+            policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={type(layers[0])})
+        # as accelerate's plugin (memfit's config; sync_module_states needs a GPU, so off on the CPU)
+        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
+                    limit_all_gathers=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False)
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if peft_model else model
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(base.model.embed_tokens)  # untied: its own unit
+    fully_shard([base.lm_head, base.model.norm], reshard_after_forward=False)
+    fully_shard(model)
+    return model
+
+
+def peak_worker(case: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.measure.probe import TensorMemoryProbe
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**PEAK_RAW, attn_implementation="sdpa"))
+    st = _peak_strategy(case)
+    peft_model = st.method == "lora"
+    if peft_model:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=st.lora_r, lora_alpha=st.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=list(st.lora_targets), task_type="CAUSAL_LM"))
+    model = _wrap(model, case, peft_model)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, PEAK_RAW["vocab_size"], (2, 512), generator=g)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    model.train()
+    step()
+    with TensorMemoryProbe("cpu", categories=False) as probe:
+        step()
+    measured = torch.tensor([float(probe.result().peak_allocated_bytes)])
+    gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, measured)
+    if dist.get_rank() == 0:
+        from memfit.estimate import estimate
+        from memfit.spec.hardware import parse_hardware
+        from memfit.spec.model import model_from_config
+
+        spec = model_from_config({"model_type": "llama", **PEAK_RAW}, name="tiny")
+        predicted = estimate(spec, parse_hardware("2xCPU"), st).to_dict()["memory"]["gpu_allocated_bytes"]
+        print("RESULT " + json.dumps({"case": case, "label": st.label(), "predicted": predicted,
+                                      "measured": [int(x.item()) for x in gathered]}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def peak_main(cases: list[str], as_json: bool) -> int:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    rows = []
+    for i, case in enumerate(cases):
+        if case not in PEAK_CASES:
+            print(f"unknown case {case!r}; choose from {', '.join(PEAK_CASES)}")
+            return 2
+        out = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(29670 + i), __file__,
+                              "--peak-worker", case], capture_output=True, text=True, timeout=900, env=env,
+                             cwd=ROOT)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            print(f"{case} failed (exit {out.returncode}): {out.stderr.strip()[-600:]}")
+            return 1
+        rows.append(json.loads(lines[0][7:]))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'case':11} {'strategy':26} {'rank 0 MB':>10} {'rank 1 MB':>10} {'estimate MB':>11} {'error r0':>9} "
+          f"{'error r1':>9}   (allocator peak per rank, 2 gloo processes)")
+    for r in rows:
+        m0, m1 = r["measured"]
+        p = r["predicted"]
+        print(f"{r['case']:11} {r['label']:26} {m0 / 1e6:10.2f} {m1 / 1e6:10.2f} {p / 1e6:11.2f} "
+              f"{100 * (p / m0 - 1):+8.2f}% {100 * (p / m1 - 1):+8.2f}%")
+    return 0
+
+
 def main() -> None:
+    if "--peak-worker" in sys.argv:
+        peak_worker(sys.argv[sys.argv.index("--peak-worker") + 1])
+        return
+    if "--peak" in sys.argv:
+        ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        ap.add_argument("--peak", action="store_true")
+        ap.add_argument("--cases", default=",".join(PEAK_CASES))
+        ap.add_argument("--json", action="store_true")
+        a = ap.parse_args()
+        sys.exit(peak_main(a.cases.split(","), a.json))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)

@@ -96,9 +96,14 @@ def test_enumeration_holds_fixed_keys_and_pairs_qlora_storage():
 
 def test_enumeration_size_and_restrictions():
     full = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1))
-    # 4 methods x 2 gc x 3 attention x (DDP 1 + ZeRO-1/2 2x2 + ZeRO-3 3 + FSDP-SGO 2 + FSDP-full 3 offloads)
-    # x 2 losses (standard, chunked)
-    assert len(full) == 4 * 2 * 3 * (1 + 4 + 3 + 2 + 3) * 2
+    # 4 methods x 2 gc x 3 attention x (DDP 1 + ZeRO-1/2 2x2 + ZeRO-3 3 + FSDP-SGO 2 + FSDP-full 3 offloads,
+    # FSDP in both versions) x 2 losses (standard, chunked)
+    assert len(full) == 4 * 2 * 3 * (1 + 4 + 3 + 2 * (2 + 3)) * 2
+    assert {s.engine for s in full if s.fsdp} == {"fsdp-full_shard", "fsdp-shard_grad_op", "fsdp1-full_shard",
+                                                  "fsdp1-shard_grad_op"}
+    v1 = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed={"fsdp_version": 1}))
+    assert {s.engine for s in v1 if s.fsdp} == {"fsdp1-full_shard", "fsdp1-shard_grad_op"}
+    assert len(v1) == 4 * 2 * 3 * (1 + 4 + 3 + 2 + 3) * 2  # DDP / ZeRO kept; FSDP only as FSDP1
     assert {s.loss for s in full} == {"standard", "chunked"}
     held = list(enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed={"loss": "chunked"}))
     assert len(held) == len(full) // 2 and {s.loss for s in held} == {"chunked"}
@@ -142,12 +147,15 @@ def test_meft_top_k_cannot_exceed_neurons():
 
 
 @pytest.mark.parametrize("fixed, zero_stages, engines", [
-    ({"fsdp": "full_shard"}, None, {"fsdp-full_shard"}),
+    ({"fsdp": "full_shard"}, None, {"fsdp-full_shard", "fsdp1-full_shard"}),  # the planner tries both versions
+    ({"fsdp": "full_shard", "fsdp_version": 1}, None, {"fsdp1-full_shard"}),
+    ({"fsdp": "full_shard", "fsdp_version": 2}, None, {"fsdp-full_shard"}),
     ({"fsdp": False}, [2, 3], {"zero2", "zero3"}),
     ({"zero_stage": 3}, None, {"zero3"}),
     ({"zero_stage": 0, "fsdp": False}, None, {"ddp"}),
     ({}, [0], {"ddp"}),
-    ({"fsdp": "shard_grad_op"}, [2, 3], {"fsdp-shard_grad_op"}),  # asking for FSDP overrides the stage list
+    ({"fsdp": "shard_grad_op"}, [2, 3], {"fsdp-shard_grad_op", "fsdp1-shard_grad_op"}),  # asking for FSDP
+    # overrides the stage list
 ])
 def test_fixed_engine_keys(fixed, zero_stages, engines):
     space = enumerate_strategies(LLAMA, A100, seq_len=512, micro_batch_size=1, fixed=fixed, zero_stages=zero_stages)

@@ -35,6 +35,9 @@ def _strategy_options() -> dict[str, Any]:
         method=typer.Option(None, "--method", help=" | ".join(METHODS), rich_help_panel=S),
         zero=typer.Option(None, "--zero", help="DeepSpeed ZeRO stage 0 (DDP) | 1 | 2 | 3", rich_help_panel=S),
         fsdp=typer.Option(None, "--fsdp", help="false | full_shard | shard_grad_op", rich_help_panel=S),
+        fsdp_version=typer.Option(None, "--fsdp-version", help="1 (FullyShardedDataParallel, accelerate's "
+                                  "FSDP plugin) | 2 (fully_shard; the default). plan: search only this "
+                                  "version's FSDP (default: both)", rich_help_panel=S),
         offload=typer.Option(None, "--offload", help="none | optimizer | optimizer+params", rich_help_panel=S),
         gradient_checkpointing=typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
                                             help="Recompute activations in backward.", rich_help_panel=S),
@@ -314,8 +317,8 @@ def _with_strategy_flags(fn: Any) -> Any:
     import inspect
 
     sig = inspect.signature(fn, eval_str=True)
-    kinds = {"zero": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int, "meft_top_k": int,
-             "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool}
+    kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
+             "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

@@ -146,6 +146,9 @@ def train_command(
     fallback: bool = typer.Option(False, "--fallback", help="On out-of-memory, retry with the next plan."),
     loss: Optional[str] = typer.Option(None, "--loss", help="standard | chunked (same as --set "
                                        "strategy.loss=...; chunked: no full [tokens, vocab] logits)."),
+    fsdp_version: Optional[int] = typer.Option(None, "--fsdp-version", help="1 | 2: FSDP1 "
+                                               "(FullyShardedDataParallel) or FSDP2 (fully_shard) for an FSDP "
+                                               "run (same as --set strategy.fsdp_version=...)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the finished or checkpointed run "
                                    "in output_dir (its memfit files are removed first)."),
     as_json: bool = JsonOpt,
@@ -155,7 +158,8 @@ def train_command(
     from memfit.spec.run import load_run
 
     require("train", "train")
-    overrides = list(overrides or []) + ([f"strategy.loss={loss}"] if loss is not None else [])
+    overrides = list(overrides or []) + ([f"strategy.loss={loss}"] if loss is not None else []) + (
+        [f"strategy.fsdp_version={fsdp_version}"] if fsdp_version is not None else [])
     if auto:
         if run_file is not None:
             raise ConfigError("give either a run file or --auto, not both")

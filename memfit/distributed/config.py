@@ -111,18 +111,44 @@ def deepspeed_config(run: RunSpec, *, device: Device = "cuda", hidden_size: int 
     return cfg
 
 
-def fsdp_trainer_config(run: RunSpec) -> dict:
-    """``TrainingArguments(fsdp=True, fsdp_config=...)`` for the run: FSDP2 (``fully_shard``).
+def fsdp_trainer_config(run: RunSpec, device: Device = "cuda") -> dict:
+    """``TrainingArguments(fsdp=True, fsdp_config=...)`` for the run: FSDP2 (``fully_shard``) or FSDP1
+    (``FullyShardedDataParallel``), as ``strategy.fsdp_version`` says.
 
     full_shard reshards parameters after forward, shard_grad_op keeps them gathered until backward;
-    offload moves parameters, gradients and optimizer state to CPU (FSDP2 ``CPUOffloadPolicy``);
-    rank 0 alone reads the weights and broadcasts them (RAM-efficient loading); checkpoints are sharded
-    (torch.distributed.checkpoint, one folder, every rank writes its part); the final adapter/model is
-    gathered into one file by the trainer (``Engine.gathered_state_dict``, :mod:`memfit.distributed.engines`).
+    offload moves parameters, gradients and optimizer state to CPU (FSDP2 ``CPUOffloadPolicy``, FSDP1
+    ``CPUOffload(offload_params=True)``); rank 0 alone reads the weights and broadcasts them (RAM-efficient
+    loading); checkpoints are sharded (torch.distributed.checkpoint, one folder, every rank writes its part);
+    the final adapter/model is gathered into one file by the trainer (``Engine.gathered_state_dict``,
+    :mod:`memfit.distributed.engines`).
+
+    FSDP1 is configured as accelerate's FSDP plugin, fms-hf-tuning, Answer.AI's train.py and the PEFT FSDP +
+    QLoRA guide run it (transformers/training_args.py reads these keys for ``version: 1``): each decoder layer
+    its own unit (TRANSFORMER_BASED_WRAP; memfit adds PEFT's ``fsdp_auto_wrap_policy`` for adapter methods,
+    so adapters are units of their own: memfit.distributed.engines.fsdp), ``use_orig_params``,
+    ``limit_all_gathers``, BACKWARD_PRE prefetch, no forward prefetch, ``sync_module_states`` with
+    ``cpu_ram_efficient_loading``. On the CPU (gloo) FSDP1 refuses ``sync_module_states`` (it broadcasts from
+    a GPU: torch/distributed/fsdp/_init_utils.py ``_check_module_states_for_sync_module_states``), and
+    accelerate refuses RAM-efficient loading without it, so every rank loads there.
     """
     s = run.strategy
     if not s.fsdp:
         raise ValueError("fsdp_trainer_config needs strategy.fsdp")
+    if s.fsdp_version == 1:
+        sync = device == "cuda"
+        return {
+            "version": 1,
+            "reshard_after_forward": s.fsdp,  # FSDP1: the sharding strategy's name (full_shard | shard_grad_op)
+            "cpu_offload": s.offload != "none",
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "use_orig_params": True,
+            "limit_all_gathers": True,
+            "backward_prefetch": "BACKWARD_PRE",
+            "forward_prefetch": False,
+            "sync_module_states": sync,
+            "cpu_ram_efficient_loading": sync,
+            "state_dict_type": "SHARDED_STATE_DICT",
+        }
     return {
         "version": 2,
         "reshard_after_forward": s.fsdp == "full_shard",
@@ -133,12 +159,48 @@ def fsdp_trainer_config(run: RunSpec) -> dict:
     }
 
 
+def _accelerate_fsdp_section(run: RunSpec, device: Device, layer_cls: str | None) -> dict:
+    """``fsdp_config`` of an accelerate config file (key names of accelerate 1.15's
+    commands/config/cluster.py and utils/launch.py, which exports them as FSDP_* for the plugin)."""
+    s = run.strategy
+    f = fsdp_trainer_config(run, device)
+    if s.fsdp_version == 1:
+        out: dict[str, Any] = {
+            "fsdp_version": 1,
+            "fsdp_reshard_after_forward": s.fsdp.upper(),  # FSDP1: FULL_SHARD | SHARD_GRAD_OP
+            "fsdp_offload_params": f["cpu_offload"],
+            "fsdp_auto_wrap_policy": f["auto_wrap_policy"],
+        }
+        if layer_cls:
+            out["fsdp_transformer_layer_cls_to_wrap"] = layer_cls
+        out.update({
+            "fsdp_use_orig_params": f["use_orig_params"],
+            "fsdp_sync_module_states": f["sync_module_states"],
+            "fsdp_cpu_ram_efficient_loading": f["cpu_ram_efficient_loading"],
+            "fsdp_backward_prefetch": f["backward_prefetch"],
+            "fsdp_forward_prefetch": f["forward_prefetch"],
+            "fsdp_state_dict_type": f["state_dict_type"],
+            "fsdp_activation_checkpointing": False,
+        })
+        return out
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": f["reshard_after_forward"],
+        "fsdp_offload_params": f["cpu_offload"],
+        "fsdp_auto_wrap_policy": f["auto_wrap_policy"],
+        "fsdp_cpu_ram_efficient_loading": f["cpu_ram_efficient_loading"],
+        "fsdp_state_dict_type": f["state_dict_type"],
+        "fsdp_activation_checkpointing": False,
+    }
+
+
 def accelerate_config(run: RunSpec, *, device: Device = "cuda",
-                      deepspeed_config_file: str | None = None) -> dict:
+                      deepspeed_config_file: str | None = None, layer_cls: str | None = None) -> dict:
     """An ``accelerate launch --config_file`` mapping for the run (one file per node: machine_rank).
 
     With ``deepspeed_config_file`` the DeepSpeed section points at that JSON (what memfit writes next to
-    it); without, the equivalent plugin keys are inlined.
+    it); without, the equivalent plugin keys are inlined. ``layer_cls``: the decoder layer's class name
+    (FSDP1's ``fsdp_transformer_layer_cls_to_wrap``; without it accelerate reads ``_no_split_modules``).
     """
     s, d = run.strategy, run.distributed
     bf16, fp16 = precision_flags(run)
@@ -171,17 +233,8 @@ def accelerate_config(run: RunSpec, *, device: Device = "cuda",
             ds["zero3_init_flag"] = True
         cfg["deepspeed_config"] = ds
     elif s.fsdp:
-        f = fsdp_trainer_config(run)
         cfg["distributed_type"] = "FSDP"
-        cfg["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": f["reshard_after_forward"],
-            "fsdp_offload_params": f["cpu_offload"],
-            "fsdp_auto_wrap_policy": f["auto_wrap_policy"],
-            "fsdp_cpu_ram_efficient_loading": f["cpu_ram_efficient_loading"],
-            "fsdp_state_dict_type": f["state_dict_type"],
-            "fsdp_activation_checkpointing": False,
-        }
+        cfg["fsdp_config"] = _accelerate_fsdp_section(run, device, layer_cls)
     else:
         cfg["distributed_type"] = ("MULTI_CPU" if device == "cpu" else "MULTI_GPU") if n > 1 else "NO"
     return cfg

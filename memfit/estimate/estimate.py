@@ -59,12 +59,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- what is live at the same time: the step's peak (memfit.estimate.peak) -----------------------
     static = (states.weights - states.autocast_copy + states.optim + (adapter.buffers - adapter.buffers_saved)
-              + bufs.gathered + bufs.comm - bufs.layer_bufs - bufs.tail_bufs)
+              + bufs.gathered + bufs.comm - bufs.layer_bufs - bufs.tail_bufs - bufs.root_bufs - bufs.root_grad)
     peak = step_peak(run, states, bufs, saved, step_temp, attention)
     # the activations line: the saved tensors + the working memory the peak phase holds beyond them
     acts = saved.act_in + saved.act_layers + saved.act_tail + peak.held
     adapter_acts = adapter.intermediates + adapter.buffers_saved
-    lines_sum = (static + bufs.layer_bufs + bufs.tail_bufs + states.autocast_copy + states.grads + acts
+    lines_sum = (static + bufs.layer_bufs + bufs.tail_bufs + bufs.root_bufs + bufs.root_grad + states.autocast_copy
+                 + states.grads + acts
                  + saved.logits + adapter_acts + step_temp)
     formula = static + peak.phase
     cuda_ctx = CU.context_bytes(gpu, profile)

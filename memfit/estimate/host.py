@@ -20,9 +20,16 @@ def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, 
         loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
     elif run.engine == "zero3" and not run.fsdp or (run.method.quantized and not run.fsdp):
         loading = procs * p.checkpoint_shard_bytes  # zero.Init / device_map: one shard at a time
-    elif st.fsdp == "full_shard":
-        loading = total * load_b  # cpu_ram_efficient_loading: rank 0 materialises one 16-bit copy per node
-        # (QLoRA too: rank 0 reads the 16-bit checkpoint before quantising — the "140 GB" of fsdp-qlora.md)
+    elif run.fsdp and run.method.quantized:
+        # FSDP + QLoRA, RAM-efficient: rank 0 quantises each tensor as it is read and keeps the quantised
+        # model on the CPU, the other ranks start on the meta device (Answer.AI's fsdp_qlora train.py
+        # load_and_quantize_parallel, low_memory; sync_module_states then broadcasts): the NF4 model at its
+        # storage + one checkpoint shard being read, once per node — the published 70B runs trained on
+        # 2 x 24 GB with 128 GB of RAM, where a 16-bit copy (141 GB) would not load
+        loading = states.weights_all + p.checkpoint_shard_bytes
+    elif run.fsdp:
+        loading = total * load_b  # cpu_ram_efficient_loading + sync_module_states (memfit's FSDP config, both
+        # versions and sharding modes): rank 0 materialises one copy per node, the others start on meta
     else:
         loading = procs * total * load_b  # every process builds a full copy before moving it to its GPU
     if gpu.is_cpu:  # no CUDA libraries or context; torchrun ranks add a process group and engine imports

@@ -57,6 +57,11 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     mask = min(mask, act_bwd)
     held_saved = act_in + saved.act_tail + mask + (0.0 if gc else act_layers + adapter_acts)
     # candidate peaks as (bytes, the activation working memory beyond the saved tensors they hold)
+    # FSDP1's root unit (embeddings, final norm, head) stays gathered from the forward's start to the
+    # backward's end (memfit.estimate.fsdp1); with full fine-tuning the head's gradient waits in autograd
+    # through the layers' backward (root_grad) — neither is live in the optimizer step
+    root, root_g = bufs.root_bufs, bufs.root_grad
+    tail_bufs = tail_bufs + root
     phases = [(g_keep + autocast_copy + held_saved + logits + tail_bufs, mask)]  # A: start of backward
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
@@ -72,7 +77,7 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     g_last = g_free * min(1.0, last)
     first = (nums.layer_params + model.embedding_parameters) / total if full else 1.0 / model.layers
     g_first = g_free * max(0.0, 1.0 - first)
-    layer_bufs = bufs.layer_bufs
+    layer_bufs = bufs.layer_bufs + root + root_g
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
@@ -81,6 +86,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
+    if bufs.end_extra:  # E (FSDP1, full fine-tuning): the backward's end, the root's gradient made and reduced
+        phases.append((grads + root + root_g + bufs.end_extra, 0.0))
     phases.append((grads + step_temp, 0.0))  # C: the optimizer step
     phase, held = max(phases)
     return Peak(phase, held, phases[-1][0], mask)

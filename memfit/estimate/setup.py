@@ -13,7 +13,8 @@ from memfit.spec.strategy import Strategy
 
 # the engines' memory behaviour: what is sharded (zero3 = every state sharded; sgo = FSDP SHARD_GRAD_OP)
 ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-               "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo"}
+               "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo",
+               "fsdp1-full_shard": "zero3", "fsdp1-shard_grad_op": "sgo"}
 
 
 def profile_for(profile: Optional[Profile], model: ModelSpec, strategy: Strategy, activation_formula: Optional[str],
@@ -36,7 +37,7 @@ class Setup:
     ``copy_b`` (autocast's 16-bit copy); ``value_b``: bytes of a value in the compute dtype."""
 
     __slots__ = ("model", "hardware", "strategy", "profile", "method", "numbers", "gpu", "world", "engine",
-                 "family", "fsdp", "precision", "weight_b", "grad_b", "optim_b", "copy_b", "fp32_adapters",
+                 "family", "fsdp", "fsdp_version", "precision", "weight_b", "grad_b", "optim_b", "copy_b", "fp32_adapters",
                  "value_b", "total_params", "gc", "offload_optimizer", "offload_params", "shard_weights",
                  "shard_grads", "shard_optim")
 
@@ -47,6 +48,7 @@ class Setup:
         self.gpu, self.world = hardware.gpu, hardware.world_size
         self.engine = engine = ENGINE_KIND[strategy.engine]
         self.fsdp = bool(strategy.fsdp)
+        self.fsdp_version = strategy.fsdp_version if strategy.fsdp else 0  # 1: FSDP1 (memfit.estimate.fsdp1)
         self.family = family = "fsdp" if strategy.fsdp else ("deepspeed" if strategy.zero_stage else "ddp")
         self.precision = precision = strategy.precision
         w_b, g_b, o_b, self.copy_b = M.state_bytes(precision, strategy.optimizer, family, strategy.zero_stage)

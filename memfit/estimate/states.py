@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memfit.estimate import fsdp as F
+from memfit.estimate import fsdp1 as F1
 from memfit.estimate.setup import Setup
 from memfit.methods.base import Parameters
 
@@ -28,6 +29,9 @@ class Buffers(NamedTuple):
     layer_bufs: float       # part of gathered/comm that exists only while decoder layers run (FSDP)
     tail_bufs: float        # part of gathered live from the forward's end to the head's backward (FSDP)
     grad_comm_b: float      # bytes of a gradient value as reduced
+    root_bufs: float = 0.0  # part of gathered live from the forward's start to the backward's end (FSDP1 root)
+    root_grad: float = 0.0  # part of comm live through the layers' backward (FSDP1: the head's pending gradient)
+    end_extra: float = 0.0  # held only at the backward's end (FSDP1 full: embedding grad + root's unsharded grad)
 
 
 def model_states(run: Setup, params: Parameters) -> States:
@@ -36,6 +40,8 @@ def model_states(run: Setup, params: Parameters) -> States:
     compute_all = params.frozen_bytes + trainable * (run.copy_b or run.weight_b)
     sharded_all = run.shard_weights or run.family == "fsdp"
     weights = (weights_all - quant_state) / n + quant_state if sharded_all else weights_all
+    if run.fsdp_version == 1 and run.engine == "zero3" and n > 1:  # FlatParameter padding (memfit.estimate.fsdp1)
+        weights += F1.padding_bytes(run.model, n, int(run.weight_b if run.method.trains_base else run.value_b))
     autocast_copy = 0.0
     if run.family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
         autocast_copy = trainable * run.copy_b  # backward; gone once backward has used them
@@ -62,6 +68,8 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
     half = run.value_b
     gathered = comm = step_temp = layer_bufs = tail_bufs = 0.0
     g_comm = run.grad_b if run.family == "ddp" else min(run.grad_b, half)  # FSDP reduces in the compute dtype
+    if run.engine == "zero3" and run.fsdp_version == 1:
+        return _fsdp1_buffers(run, params, g_comm)
     if run.engine == "zero3" and run.fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
         layer_b, tail_b, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
                                                 trainable, half, half)
@@ -97,3 +105,36 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
     elif n > 1:
         comm = trainable * run.grad_b * p.ddp_bucket_copy
     return Buffers(gathered, comm, step_temp, layer_bufs, tail_bufs, g_comm)
+
+
+def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
+    """FSDP1 full_shard (each term's source: memfit.estimate.fsdp1): two decoder layers gathered (current +
+    BACKWARD_PRE's prefetched; the rate limiter's two in-flight all-gathers) + the prefetched unit's
+    low-precision (or offload-copied) shard, the root unit gathered from the forward's start to the backward's
+    end, one layer's unsharded gradients + reduce-scatter output; full fine-tuning also holds the head's
+    gradient through the layers' backward and, at the backward's end, the embedding's and the root's whole
+    unsharded gradient."""
+    model, p, n, trainable = run.model, run.profile, run.world, params.trainable
+    half = run.value_b
+    layer_b, _, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
+                                       trainable, half, half)
+    root_b, head_g = F1.root_unit(model, half)
+    comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one unit's unsharded grads + the reduce-scatter output
+    # the prefetched unit's shard on the device while it gathers: _mp_shard (param dtype) where the flat
+    # parameter is another dtype (fp32 trainable under mixed precision), or the offload H2D copy of the
+    # shard (its own dtype; under mixed precision the fp32 copy is cast into _mp_shard)
+    flat_b = run.weight_b if run.method.trains_base else half
+    shard = 0.0
+    if flat_b != half or run.offload_params:
+        shard = layer_b / n * (flat_b / half if run.offload_params else 1.0)
+    gathered = p.gathered_layers * layer_b + shard + root_b
+    root_grad = end_extra = 0.0
+    if run.method.trains_base:
+        root_grad = head_g
+        comm += root_grad
+        # at the end: the embedding's gradient + the root's unsharded gradient (the split's backward) + its
+        # reduce-scatter output, with the head's still held
+        emb = float(model.embedding_parameters) * half
+        end_extra = emb + F1.root_parameters(model) * half * (1.0 + 1.0 / n)
+    return Buffers(gathered, comm, 0.0, gathered - root_b + comm - root_grad, 0.0, g_comm,
+                   root_bufs=root_b, root_grad=root_grad, end_extra=end_extra)

@@ -24,7 +24,8 @@ NO_FIT = "✗"
 
 _METHOD = {"full": "Full", "lora": "LoRA", "qlora": "QLoRA", "meft": "MEFT"}
 _ENGINE = {"ddp": "DDP", "zero1": "Z1", "zero2": "Z2", "zero3": "Z3",
-           "fsdp-full_shard": "FSDP", "fsdp-shard_grad_op": "FSDP-SGO"}
+           "fsdp-full_shard": "FSDP", "fsdp-shard_grad_op": "FSDP-SGO",
+           "fsdp1-full_shard": "FSDP1", "fsdp1-shard_grad_op": "FSDP1-SGO"}
 _OFFLOAD = {"none": "", "optimizer": "Off", "optimizer+params": "OffP"}
 
 

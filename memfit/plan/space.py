@@ -1,6 +1,6 @@
 """The search space: every combination of levers the planner tries, as validated Strategy objects.
 
-method × gradient checkpointing × attention × engine (DDP, ZeRO-1/2/3, FSDP full_shard/shard_grad_op)
+method × gradient checkpointing × attention × engine (DDP, ZeRO-1/2/3, FSDP2 and FSDP1 full_shard/shard_grad_op)
 × offload × loss (standard, chunked cross-entropy), at one precision per device (bf16-mixed where supported, else fp16-mixed; fp32 on the CPU).
 Keys the user fixes (``fixed``) are held; combinations the Strategy validator refuses (offload without
 an engine, parameter offload without parameter sharding) do not exist and are skipped silently.
@@ -17,11 +17,13 @@ from memfit.errors import ConfigError
 from memfit.methods import NAMES as METHODS, PLANNED
 from memfit.methods.qlora import PARAM_DTYPE
 from memfit.plan import rules
-from memfit.spec.strategy import ATTENTIONS, LOSSES, OFFLOADS, Strategy
+from memfit.spec.strategy import ATTENTIONS, FSDP_VERSIONS, LOSSES, OFFLOADS, Strategy
 
-# (zero_stage, fsdp) per engine, fastest-to-leanest order.
-ENGINES: tuple[tuple[int, Any], ...] = (
-    (0, False), (1, False), (2, False), (3, False), (0, "shard_grad_op"), (0, "full_shard"),
+# (zero_stage, fsdp, fsdp_version) per engine, fastest-to-leanest order; FSDP2 before FSDP1, so that where
+# both price the same the planner keeps FSDP2 (memfit's default), and FSDP1 wins only where it is better.
+ENGINES: tuple[tuple[int, Any, int], ...] = (
+    (0, False, 2), (1, False, 2), (2, False, 2), (3, False, 2), (0, "shard_grad_op", 2), (0, "full_shard", 2),
+    (0, "shard_grad_op", 1), (0, "full_shard", 1),
 )
 STRATEGY_FIELDS = frozenset(Strategy.model_fields)
 # The command-line flag of each strategy key whose name differs from it.
@@ -71,20 +73,23 @@ def _check_choices(name: str, values: Iterable[Any], allowed: Iterable[Any]) -> 
     return values
 
 
-def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> list[tuple[int, Any]]:
+def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> list[tuple[int, Any, int]]:
     """Engines to try. ``zero_stages`` restricts the search to DeepSpeed stages (0 = DDP), no FSDP;
-    a fixed ``zero_stage`` / ``fsdp`` holds that key."""
+    a fixed ``zero_stage`` / ``fsdp`` / ``fsdp_version`` holds that key (the version binds FSDP only)."""
     engines = list(ENGINES)
     if "fsdp" in fixed and "zero_stage" in fixed:
         make_strategy(zero_stage=fixed["zero_stage"], fsdp=fixed["fsdp"])  # raises if they contradict
+    if "fsdp_version" in fixed:
+        _check_choices("fsdp_version (--fsdp-version)", [fixed["fsdp_version"]], FSDP_VERSIONS)
+        engines = [(z, f, v) for z, f, v in engines if not f or v == fixed["fsdp_version"]]
     if zero_stages is not None:
         stages = _check_choices("--zero-stages", zero_stages, (0, 1, 2, 3))
         if not fixed.get("fsdp"):
-            engines = [(z, f) for z, f in engines if not f and z in stages]
+            engines = [(z, f, v) for z, f, v in engines if not f and z in stages]
     if "fsdp" in fixed:
-        engines = [(z, f) for z, f in engines if f == fixed["fsdp"]]
+        engines = [(z, f, v) for z, f, v in engines if f == fixed["fsdp"]]
     if "zero_stage" in fixed:
-        engines = [(z, f) for z, f in engines if z == fixed["zero_stage"]]
+        engines = [(z, f, v) for z, f, v in engines if z == fixed["zero_stage"]]
     if not engines:
         raise ConfigError(f"--zero {fixed.get('zero_stage')} is not among --zero-stages "
                           f"{','.join(map(str, zero_stages or ()))}; drop one of them")
@@ -126,7 +131,8 @@ def enumerate_strategies(
     losses = [fixed["loss"]] if "loss" in fixed else list(LOSSES)
     precision = fixed.get("precision", rules.default_precision(hardware))
     base = {k: v for k, v in fixed.items() if k not in ("method", "offload", "gradient_checkpointing",
-                                                        "attention", "zero_stage", "fsdp", "loss")}
+                                                        "attention", "zero_stage", "fsdp", "fsdp_version",
+                                                        "loss")}
     base.update(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum, precision=precision)
     if "lora_targets" not in fixed:
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
@@ -152,8 +158,8 @@ def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentio
     precision = base["precision"]
     out = []
     for method in methods:
-        for zero, fsdp in engines:
-            keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp)
+        for zero, fsdp, version in engines:
+            keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp, fsdp_version=version)
             if method == "qlora" and not fixed_storage:
                 sharded = zero == 3 or bool(fsdp)
                 keys["quant_storage"] = PARAM_DTYPE[precision] if sharded else "uint8"

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from memfit.methods import METHODS as _METHODS
 Attention = Literal["eager", "sdpa", "fa2"]
 Fsdp = Union[Literal[False], Literal["full_shard", "shard_grad_op"]]
+FsdpVersion = Literal[1, 2]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
@@ -24,6 +25,7 @@ OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "sgd")
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
 FSDP_MODES: tuple[str, ...] = ("full_shard", "shard_grad_op")
+FSDP_VERSIONS: tuple[int, ...] = (1, 2)
 LOSSES: tuple[str, ...] = ("standard", "chunked")
 # loss=chunked: tokens per chunk of the output projection + cross-entropy (memfit.train.loss). 256 rows keep
 # the head's matmuls near compute-bound on GPUs (a 16-bit weight read once per 256 tokens) while one chunk's
@@ -48,6 +50,9 @@ class Strategy(BaseModel):
     method: str = Field("lora", description="a method of the registry memfit.methods.METHODS")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0 = plain DDP")
     fsdp: Fsdp = False
+    fsdp_version: FsdpVersion = Field(2, description="1: FullyShardedDataParallel (FlatParameter, accelerate's "
+                                      "FSDP plugin as accelerate/fms-hf-tuning/Answer.AI configure it); 2: "
+                                      "fully_shard. Without fsdp it is ignored (always 2)")
     offload: Offload = "none"
     gradient_checkpointing: bool = False
     attention: Attention = "sdpa"
@@ -80,6 +85,15 @@ class Strategy(BaseModel):
             raise ValueError(", ".join(names[:-1]) + " or " + names[-1])
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_only_with_fsdp(cls, data):
+        # fsdp_version says which FSDP runs; without FSDP it means nothing, so one strategy has one form
+        # (a run file or --set that turns FSDP off keeps working, and DDP/ZeRO never differ by it)
+        if isinstance(data, dict) and not data.get("fsdp") and data.get("fsdp_version", 2) != 2:
+            data = {**data, "fsdp_version": 2}
+        return data
+
     @model_validator(mode="after")
     def _one_engine(self) -> "Strategy":
         if self.fsdp and self.zero_stage:
@@ -103,9 +117,10 @@ class Strategy(BaseModel):
 
     @property
     def engine(self) -> str:
-        """'ddp', 'zero1'..'zero3', or 'fsdp-full_shard' / 'fsdp-shard_grad_op'."""
+        """'ddp', 'zero1'..'zero3', 'fsdp-full_shard' / 'fsdp-shard_grad_op' (FSDP2), or
+        'fsdp1-full_shard' / 'fsdp1-shard_grad_op' (FSDP1)."""
         if self.fsdp:
-            return f"fsdp-{self.fsdp}"
+            return f"fsdp{'1' if self.fsdp_version == 1 else ''}-{self.fsdp}"
         return f"zero{self.zero_stage}" if self.zero_stage else "ddp"
 
     @property

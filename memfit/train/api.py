@@ -203,6 +203,9 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     if main:
         clean_staging(out)
     set_seed(run.training.seed)
+    from memfit.distributed.engines.fsdp import with_launcher_version
+
+    run = with_launcher_version(run)  # `accelerate launch --config_file`: the FSDP version the file names
     engine = engines.for_run(run)
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()

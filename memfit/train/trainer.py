@@ -94,4 +94,5 @@ def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: 
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     trainer.batch_sink = next((cb.record_batch for cb in callbacks if hasattr(cb, "record_batch")), None)
+    engine.prepare_trainer(trainer, run)  # before the Trainer wraps the model (FSDP1: PEFT's wrap policy)
     return trainer

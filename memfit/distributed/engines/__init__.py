@@ -19,6 +19,8 @@ ENGINES: dict[str, Engine] = {
     "zero3": DeepSpeed(3),
     "fsdp-full_shard": Fsdp("full_shard"),
     "fsdp-shard_grad_op": Fsdp("shard_grad_op"),
+    "fsdp1-full_shard": Fsdp("full_shard", version=1),
+    "fsdp1-shard_grad_op": Fsdp("shard_grad_op", version=1),
 }
 
 

@@ -72,10 +72,11 @@ def write_text_atomic(text: str, path: Path) -> Path:
 
 
 def accelerate_file_text(run: RunSpec, device: cfgs.Device, deepspeed_config_file: Optional[str] = None,
-                         header: bool = False) -> str:
+                         header: bool = False, layer_cls: Optional[str] = None) -> str:
     import yaml
 
-    acc = cfgs.accelerate_config(run, device=device, deepspeed_config_file=deepspeed_config_file)
+    acc = cfgs.accelerate_config(run, device=device, deepspeed_config_file=deepspeed_config_file,
+                                 layer_cls=layer_cls)
     head = ("# Written by memfit for this run. Rerun on GPU machines with:\n"
             f"#   accelerate launch --config_file {cfgs.ACCELERATE_FILE} -m memfit.train run.yaml\n"
             "# (on the CPU, accelerate does not launch DeepSpeed: use `memfit launch run.yaml`)\n")
@@ -134,6 +135,9 @@ class Engine:
     def write_configs(self, run: RunSpec, output_dir: Path) -> list[Path]:
         """The config files this run uses, in ``output_dir`` (rank 0)."""
         return []
+
+    def prepare_trainer(self, trainer: Any, run: RunSpec) -> None:
+        """After the Trainer is built, before it wraps the model (FSDP1: PEFT's wrap policy)."""
 
     # ---------------------------------------------------------------- saving
     def gathered_state_dict(self, trainer: Any, run: RunSpec) -> Optional[dict]:

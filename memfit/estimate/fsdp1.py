@@ -1,0 +1,125 @@
+"""FSDP1 (``FullyShardedDataParallel``, FlatParameter) as accelerate's FSDP plugin runs it (pinned torch 2.13,
+accelerate 1.15): what one rank holds. FSDP2 is :mod:`memfit.estimate.fsdp`; one module per engine.
+
+memfit configures FSDP1 as accelerate, fms-hf-tuning, Answer.AI's train.py and the PEFT FSDP + QLoRA guide do
+(memfit/distributed/config.py ``fsdp_trainer_config``): TRANSFORMER_BASED_WRAP (one unit per decoder layer;
+for adapter methods PEFT's ``fsdp_auto_wrap_policy`` also makes every trainable leaf — lora_A, lora_B — its
+own unit), ``use_orig_params=True``, ``limit_all_gathers=True``, ``backward_prefetch=BACKWARD_PRE``, no forward
+prefetch, ``sync_module_states`` + ``cpu_ram_efficient_loading``. Paths below are under
+``site-packages/torch/distributed/fsdp/`` unless named otherwise. Each term:
+
+- **Flat parameters per unit, padded** (``_flat_param.py`` ``_init_flat_param_and_metadata``): with
+  ``use_orig_params`` every original parameter starts at a 16-byte boundary (``_get_aligned_numel``: 16 /
+  itemsize of the forward dtype, padding elements inserted before it), then the whole flat parameter is
+  padded to a multiple of the world size; each rank keeps numel / world (``_get_shard``). The root unit is
+  what no decoder layer holds: embeddings, final norm, head (``flat_param_numel``, ``shard_numel``).
+- **The sharded flat parameter and its low-precision shard** (``_flat_param.py`` ``_use_low_precision_shard``
+  / ``_free_low_precision_sharded_param``): under a MixedPrecision ``param_dtype`` different from the flat
+  parameter's (accelerate upcasts every flat parameter that requires grad to fp32: accelerate/accelerator.py,
+  "Upcasted low precision parameters"), ``pre_unshard`` allocates a ``_mp_shard`` (shard numel x param dtype)
+  on the device, all-gathers from it and frees it after: one unit's, live while the prefetched unit gathers.
+  With CPU offload ``pre_unshard`` copies the CPU shard to the device first (``flat_param_to`` or the
+  ``_local_shard.to(device)`` inside ``_use_low_precision_shard``): the same shard-sized transient.
+- **Unsharded flat parameters of the current and prefetched units** (``_runtime_utils.py`` ``_unshard``,
+  ``_get_handle_to_prefetch``; ``_limiter_utils.py`` ``_FreeEventQueue._max_num_inflight_all_gathers = 2``):
+  in backward BACKWARD_PRE gathers the next unit before the current one computes, and the rate limiter lets
+  at most two all-gathers run ahead of the frees: ``Profile.gathered_layers`` = 2 decoder layers, at the
+  param dtype (``_full_param_padded``).
+- **The root unit stays gathered** from the forward's start to the backward's end: ``_post_forward_reshard``
+  does not free the root's unsharded flat parameter after forward (``not state._is_root``), and a root whose
+  parameters are frozen is resharded only in ``_post_backward_final_callback``. The root holds the
+  embedding and the head: for Llama-3.1-70B 2.1e9 parameters, 4.2 GB in bf16 through every layer phase
+  (FSDP2 gathers the head only from the loss to its backward and the embedding as its own unit).
+- **Gradients** (``_runtime_utils.py`` ``_post_backward_hook``, ``_reduce_grad``): a unit's unsharded
+  gradient (padded numel x param dtype) + the reduce-scatter output (shard x reduce dtype) while it is reduced;
+  the sharded gradient is cast to the flat parameter's dtype (``_cast_grad_to_param_dtype``) and kept as
+  ``_saved_grad_shard`` (the gradients line). With ``use_orig_params`` the original parameters are views
+  into the flat parameter (``_use_unsharded_views`` / ``_use_sharded_views``): no bytes of their own. A
+  FlatParameter mixing frozen and trainable parameters requires grad as a whole (``_validate_tensors_to_flatten``:
+  ``flat_param_requires_grad or tensor.requires_grad``), which is why adapters get their own units (PEFT's
+  policy; without it every decoder layer would carry a gradient for all its frozen weights).
+- **The root's gradient** (full fine-tuning): the root's original parameters are views split from one flat
+  parameter, so autograd holds the head's gradient (param dtype) until the embedding's arrives at the end of
+  backward, then makes the root's whole unsharded gradient (``SplitWithSizesBackward``) before the post-backward
+  hook reduce-scatters it: the head's gradient through every layer's backward, and at the very end head +
+  embedding gradients + the root's unsharded gradient at once.
+- **CPU offload** (``CPUOffload(offload_params=True)``; ``_flat_param.py`` ``_init_shard_metadata``,
+  ``_runtime_utils.py`` ``_post_backward_hook``: ``_cpu_grad``): the flat parameter shards, a pinned gradient
+  shard per flat parameter that requires grad and the optimizer states live in host memory (the CPU lines);
+  the device keeps the gathered units and the shard-sized copy above.
+- **Rank 0's full CPU copy** (``_init_utils.py`` ``_sync_module_params_and_buffers``; transformers reads
+  ``FSDP_CPU_RAM_EFFICIENT_LOADING`` and builds the other ranks on the meta device): one full copy per node at
+  the load dtype, in host.py.
+- **QLoRA's quant_storage inside flat parameters**: ``Params4bit`` data stored as ``bnb_4bit_quant_storage``
+  (bf16: four NF4 values per element) is flattened with the layer's 16-bit parameters (one dtype per flat
+  parameter); its quantisation state is a module attribute, replicated on every rank, as under FSDP2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from memfit.spec.model import ModelSpec
+
+ALIGNMENT_BYTES = 16  # _flat_param.py _get_aligned_numel: "This alignment constraint comes from TorchInductor"
+
+
+def flat_param_numel(numels: Iterable[int], world: int, dtype_bytes: int, use_orig_params: bool = True) -> int:
+    """Elements of one unit's padded unsharded FlatParameter (_flat_param.py ``_init_flat_param_and_metadata``):
+    each parameter aligned to 16 bytes of the forward dtype, then the total padded to a multiple of ``world``
+    (both only with ``use_orig_params``; without, ``_get_shard`` pads the last rank's chunk to the same size)."""
+    align = ALIGNMENT_BYTES // int(dtype_bytes) if use_orig_params else 0
+    total = 0
+    for n in numels:
+        if align and total % align:
+            total += align - total % align
+        total += int(n)
+    if not align:
+        return math.ceil(total / world) * world
+    return total + (world - total % world) % world
+
+
+def shard_numel(numels: Iterable[int], world: int, dtype_bytes: int, use_orig_params: bool = True) -> int:
+    """Elements each rank keeps of one unit (``_get_shard``: the padded flat parameter / world)."""
+    return flat_param_numel(numels, world, dtype_bytes, use_orig_params) // world
+
+
+def layer_numels(model: ModelSpec) -> list[int]:
+    """A decoder layer's parameters in the order a Llama-style block registers them (attention and MLP linears,
+    then the norms); the alignment padding depends on it only when a size is not a multiple of 16 bytes."""
+    out = []
+    for lin in model.linears:
+        for _ in range(lin.count):
+            out.append(lin.in_features * lin.out_features)
+            if lin.bias:
+                out.append(lin.out_features)
+    norm = model.hidden * (2 if model.norm == "layernorm" else 1)
+    out += [norm] * model.norms_per_layer
+    rest = model.layer_parameters - sum(out)
+    if rest > 0:  # qk-norms, router, anything else the layer owns
+        out.append(rest)
+    return out
+
+
+def root_parameters(model: ModelSpec) -> float:
+    """Parameters of the root unit: everything no decoder layer holds (embeddings, final norm, head)."""
+    return float(model.parameters - model.layers * model.layer_parameters)
+
+
+def padding_bytes(model: ModelSpec, world: int, dtype_bytes: int) -> float:
+    """Per rank: the padding FSDP1 adds to the decoder layers' and the root's flat parameters (alignment +
+    world-size divisibility), at the flat parameter's dtype."""
+    layer = flat_param_numel(layer_numels(model), world, dtype_bytes) - model.layer_parameters
+    root_p = int(root_parameters(model))
+    head = model.head_parameters
+    root = flat_param_numel([root_p - head, head] if head else [root_p], world, dtype_bytes) - root_p
+    return (model.layers * layer + root) * dtype_bytes / world
+
+
+def root_unit(model: ModelSpec, half: float) -> tuple[float, float]:
+    """(bytes of the gathered root unit, bytes of the head's gradient autograd holds until the end of backward)
+    at the param dtype ``half``."""
+    head = model.head_parameters or model.embedding_parameters
+    norm = model.hidden * (2 if model.norm == "layernorm" else 1)
+    return root_parameters(model) * half, (head + norm) * half
