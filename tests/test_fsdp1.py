@@ -237,3 +237,16 @@ def test_gpu_count_search_cpu_ram_no_longer_a_copy_per_process():
     cpu = {row.gpus: row.recommended.cpu_total for row in res.rows if row.recommended is not None}
     assert cpu[8] < 170e9 and cpu[2] < 170e9
     assert cpu[8] - cpu[3] == pytest.approx(5 * DEFAULT_PROFILE.process_baseline_bytes)
+
+
+def test_fsdp1_refused_on_the_cpu_device_in_one_line():
+    from memfit.plan.rules import check
+    from memfit.spec.hardware import HardwareSpec, cpu_device
+
+    cpu = HardwareSpec(cpu_device(), gpus_per_node=2)
+    reasons = check(TINY, cpu, Strategy(method="lora", fsdp="full_shard", fsdp_version=1, precision="fp32"))
+    assert reasons == ["fsdp_version=1 on the CPU device: FSDP1's final full-state-dict gather crashes under gloo "
+                       "(docs/distributed.md); use fsdp_version=2 on the CPU, or FSDP1 on CUDA GPUs"]
+    assert check(TINY, cpu, Strategy(method="lora", fsdp="full_shard", fsdp_version=2, precision="fp32")) == []
+    assert check(TINY, parse_hardware("2xA100-80GB"),
+                 Strategy(method="lora", fsdp="full_shard", fsdp_version=1)) == []

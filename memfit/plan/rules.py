@@ -62,12 +62,19 @@ def _offload(model: Any, hw: Any, s: Strategy) -> str | None:
     return None
 
 
+def _fsdp_version(model: Any, hw: Any, s: Strategy) -> str | None:
+    if s.fsdp and getattr(s, "fsdp_version", 2) == 1 and hw.gpu.is_cpu:
+        return ("fsdp_version=1 on the CPU device: FSDP1's final full-state-dict gather crashes under gloo "
+                "(docs/distributed.md); use fsdp_version=2 on the CPU, or FSDP1 on CUDA GPUs")
+    return None
+
+
 def _method(model: Any, hw: Any, s: Strategy) -> list[str]:
     """The method's own rules (memfit.methods: LoRA targets, QLoRA storage, MEFT engines and CPU store)."""
     return METHODS[s.method].rules(model, hw, s)
 
 
-RULES: tuple[Rule, ...] = (_attention, _precision, _offload)
+RULES: tuple[Rule, ...] = (_attention, _precision, _offload, _fsdp_version)
 
 
 def check(model: Any, hardware: Any, strategy: Strategy) -> list[str]:
