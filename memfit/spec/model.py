@@ -1,7 +1,8 @@
 """ModelSpec: the architecture numbers of a decoder LLM, read from a Hugging Face ``config.json``.
 
-Plain Python (no torch, no transformers): a preset name, a model folder or a ``config.json`` path
-becomes a frozen :class:`ModelSpec` with an exact parameter count and the list of per-layer linear
+Plain Python (no torch, no transformers): a preset name, a model folder, a ``config.json`` path or a
+Hugging Face Hub id (``owner/name[@revision]``: its ``config.json`` only, through ``huggingface_hub``'s
+cache, imported on that path alone) becomes a frozen :class:`ModelSpec` with an exact parameter count and the list of per-layer linear
 modules (the names PEFT's ``target_modules`` match), so LoRA trainable counts are exact too.
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, gemma, gemma2, granite (Llama-style blocks:
@@ -16,6 +17,8 @@ heads, parallel attention), gpt_neox (fused QKV with biases, GeLU MLP, LayerNorm
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -213,10 +216,12 @@ def _preset(key: str) -> ModelSpec:
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
-    """A preset name, a model folder (its config.json only: no weights, no torch) or a config.json path."""
+    """A preset name, a model folder (its config.json only: no weights, no torch), a config.json path, or
+    a Hub id ``owner/name[@revision]`` that is not a local path (its config.json from the Hub cache)."""
     text = str(name_or_path).strip()
     if not text:
-        raise ConfigError("model: empty name; give a preset (" + ", ".join(list_presets()) + "), a folder or a config.json")
+        raise ConfigError("model: empty name; give a preset (" + ", ".join(list_presets()) + "), a folder, "
+                          "a config.json or a Hub id (owner/name)")
     path = Path(text).expanduser()
     key = text.lower()
     preset = PRESET_DIR / f"{key}.json"
@@ -229,9 +234,142 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         return model_from_config(_read_json(cfg_path), name=path.resolve().name, where=str(cfg_path))
     if path.is_file():
         return model_from_config(_read_json(path), name=path.resolve().parent.name or path.stem, where=str(path))
+    hub = hub_id(text)
+    if hub is not None:
+        return model_from_config(read_config(hub_config_file(hub)), name=str(hub), where=f"{hub} config.json")
     raise ConfigError(
-        f"model {text!r}: not a preset, folder or config.json; presets: {', '.join(list_presets())}"
+        f"model {text!r}: not a preset, folder or config.json, nor a Hub id (owner/name[@revision]); "
+        f"presets: {', '.join(list_presets())}"
     )
+
+
+# ---- Hugging Face Hub ids ------------------------------------------------------------------------
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class HubId:
+    """A model repository on the Hugging Face Hub, ``owner/name``, at ``revision`` (a branch, tag or
+    commit; None: the repository's default branch)."""
+
+    repo_id: str
+    revision: Optional[str] = None
+
+    def __str__(self) -> str:
+        return self.repo_id + (f"@{self.revision}" if self.revision else "")
+
+
+def hub_id(text: str) -> Optional[HubId]:
+    """``text`` as a Hub id (``owner/name`` with an optional ``@revision``) when it has that shape and is
+    not an existing local path; None otherwise (presets and local paths are resolved first)."""
+    text = str(text).strip()
+    if not text or Path(text).expanduser().exists():
+        return None
+    repo, at, revision = text.partition("@")
+    if not _HUB_NAME.fullmatch(repo) or repo.endswith(".json") or (at and not revision.strip()):
+        return None
+    return HubId(repo, revision.strip() or None)
+
+
+def _connection_errors() -> tuple[type, ...]:
+    """The HTTP clients' connection/timeout errors (huggingface_hub uses httpx or requests by version)."""
+    found: list[type] = []
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests.exceptions", ("ConnectionError", "Timeout"))):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        found += [getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), type)]
+    return tuple(found)
+
+
+_hub_files: dict[tuple[str, Optional[str]], Path] = {}
+
+
+def hub_config_file(hub: HubId) -> Path:
+    """The local path of ``hub``'s config.json, downloaded (config.json only) by
+    ``huggingface_hub.hf_hub_download`` into the standard HF cache: ``HF_HOME`` / ``HF_HUB_CACHE``,
+    ``HF_ENDPOINT``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` act through huggingface_hub itself. Each failure
+    (gated, no such repository or revision, no config.json, unreachable with nothing cached) is one
+    ConfigError line saying what to do. Fetched once per process."""
+    key = (hub.repo_id, hub.revision)
+    if key in _hub_files:
+        return _hub_files[key]
+    try:
+        import logging
+
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
+                                           HFValidationError, LocalEntryNotFoundError,
+                                           RepositoryNotFoundError, RevisionNotFoundError)
+    except ImportError:
+        raise ConfigError(f"model {str(hub)!r}: a Hub id needs the huggingface_hub package (pip install "
+                          "huggingface_hub), or pass a local folder") from None
+    local = "or pass a local folder"
+    offline = (f"model {str(hub)!r}: config.json is not in the cache and the Hub is unreachable "
+               f"(HF_HUB_OFFLINE=1?): download it first (hf download {hub.repo_id} config.json), {local}")
+    gated = f"model {str(hub)!r} is gated: accept its licence on the Hub and set HF_TOKEN, {local}"
+    missing = (f"model {str(hub)!r}: not a local path, and no such model repository on the Hub (a private "
+               f"one needs HF_TOKEN); check the id, {local}")
+    hf_logger = logging.getLogger("huggingface_hub")
+    level = hf_logger.level
+    if not os.environ.get("HF_HUB_VERBOSITY"):  # its retry warnings would bury the one-line answer
+        hf_logger.setLevel(logging.ERROR)
+    try:
+        path = Path(hf_hub_download(hub.repo_id, "config.json", revision=hub.revision))
+    except GatedRepoError:
+        raise ConfigError(gated) from None
+    except RevisionNotFoundError:
+        raise ConfigError(f"model {str(hub)!r}: the Hub repository {hub.repo_id} has no revision "
+                          f"{hub.revision!r}; give an existing branch, tag or commit after '@', {local}") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(missing) from None
+    except LocalEntryNotFoundError:
+        raise ConfigError(offline) from None
+    except EntryNotFoundError:
+        raise ConfigError(f"model {str(hub)!r}: the Hub repository has no config.json (not a transformers "
+                          "model?); pass a local folder with one instead") from None
+    except HfHubHTTPError as err:
+        code = getattr(getattr(err, "response", None), "status_code", None)
+        if code in (401, 403):
+            raise ConfigError(gated) from None
+        if code == 404:
+            raise ConfigError(missing) from None
+        raise ConfigError(f"model {str(hub)!r}: the Hub answered HTTP {code} for config.json; try again "
+                          f"later, {local}") from None
+    except HFValidationError as err:
+        why = (str(err).strip().splitlines() or ["invalid"])[0]
+        raise ConfigError(f"model {str(hub)!r}: not a valid Hub id ({why}); {local}") from None
+    except PermissionError as err:
+        raise ConfigError(f"model {str(hub)!r}: cannot write the Hugging Face cache ({err.strerror}: "
+                          f"{err.filename}); set HF_HOME to a writable folder") from None
+    except (OSError, *_connection_errors()):
+        raise ConfigError(offline) from None
+    finally:
+        hf_logger.setLevel(level)
+    _hub_files[key] = path
+    return path
+
+
+def config_file(name_or_path: str) -> Path:
+    """The config.json behind ``name_or_path``: a preset's, a folder's, the file itself, or a Hub id's
+    (downloaded as :func:`hub_config_file` does). A ConfigError line when there is none."""
+    text = str(name_or_path).strip()
+    path = Path(text).expanduser()
+    preset = PRESET_DIR / f"{text.lower()}.json"
+    if text and preset.is_file() and not path.exists():
+        return preset
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model folder {path} has no config.json; point --model at a Hugging Face model folder")
+        return path / "config.json"
+    if path.is_file():
+        return path
+    hub = hub_id(text)
+    if hub is not None:
+        return hub_config_file(hub)
+    raise ConfigError(f"model {text!r}: not a preset, folder or config.json, nor a Hub id (owner/name)")
 
 
 def preset_config(name: str) -> dict:
