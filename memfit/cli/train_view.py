@@ -112,3 +112,5 @@ def print_summary(r: Any) -> None:
     if d.get("saved_to"):
         console.print(f"saved: [bold]{d['saved_to']}[/bold]")
     console.print(f"metrics: {d['metrics_file']}")
+    if d.get("report"):
+        console.print(f"report: {d['report']}", highlight=False, soft_wrap=True)

@@ -40,6 +40,7 @@ class TrainResult:
     predicted: Optional[dict] = None   # the estimate for this run's strategy, where memfit.estimate exists
     predicted_step: Optional[dict] = None  # the step time at the padded shapes it trained (train.shapes)
     notes: list[str] = field(default_factory=list)
+    report: Optional[str] = None       # report.html (memfit.train.report), where the [plot] extra is installed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -252,6 +253,12 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
 
         result.predicted_step = predict_as_ran(run, ranks, result.predicted)
     if main:
+        if data is None:  # the report first (it never raises), so the summary says where it is or how to
+            from memfit.train.report import report_after_training  # make it; none for measure's probes
+
+            result.report, note = report_after_training(out, json.loads(json.dumps(result.to_dict(), default=str)))
+            if note:
+                result.notes.append(note)
         write_json(out / SUMMARY_FILE, result.to_dict(), "summary", default=str)
     return result
 

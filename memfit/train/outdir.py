@@ -24,7 +24,7 @@ from memfit.io import make_dir, write_error
 SUMMARY_FILE = "summary.json"
 # what a memfit run writes into its folder (removed by --overwrite; nothing else is touched)
 RUN_FILES = ("summary.json", "metrics.jsonl", "run.yaml", "deepspeed.json", "accelerate.yaml",
-             "fallback.json")
+             "fallback.json", "report.html")
 RUN_DIRS = ("adapter", "model", "meft", "runs", ".staging")
 
 
