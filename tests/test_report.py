@@ -316,6 +316,7 @@ def tiny_run_file(tmp_path_factory, tiny_model_dir):
                                            "lora_dropout": 0.0},
                               "training": {"max_steps": 3, "learning_rate": 1e-2},
                               "output_dir": str(out)})
+    make.paths = (model, data)
     return make
 
 
@@ -357,3 +358,19 @@ def test_a_report_problem_never_fails_the_run(tiny_run_file, tmp_path, monkeypat
     assert summary["notes"][-1] == note and summary["report"] is None
     assert not (out / "report.html").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".report")]
+
+
+def test_auto_keeps_the_planners_reasons(tiny_run_file, tmp_path, capsys):
+    import html
+
+    model, data = tiny_run_file.paths
+    out = tmp_path / "auto"
+    code, stdout, err = run_cli(capsys, "train", "--auto", "--model", str(model), "--data", str(data),
+                                "--out", str(out), "--seq-len", "64", "--micro-batch-size", "2",
+                                "--methods", "lora", "--set", "max_steps=2", "--json")
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    why = summary["plan_why"]
+    assert why and "is the fastest of the" in why[0]
+    text = (out / "report.html").read_text()
+    assert f"<li>{html.escape(why[0])}</li>" in text

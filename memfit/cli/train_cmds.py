@@ -18,7 +18,7 @@ SetOpt = typer.Option(None, "--set", help="Override a run-file key, e.g. --set l
 JsonOpt = typer.Option(False, "--json", help="Print the result as JSON only.")
 
 
-def _run_training(run, *, resume: bool, as_json: bool, overwrite: bool = False):
+def _run_training(run, *, resume: bool, as_json: bool, overwrite: bool = False, plan_why=()):
     from memfit.train.quiet import quiet_libraries
 
     quiet_libraries()
@@ -31,7 +31,8 @@ def _run_training(run, *, resume: bool, as_json: bool, overwrite: bool = False):
 
         cbs.append(RichProgress(console=console))
     try:
-        return train(run, callbacks=cbs, resume=resume, overwrite=overwrite)
+        return train(run, callbacks=cbs, resume=resume, overwrite=overwrite,
+                     **({"plan_why": list(plan_why)} if plan_why else {}))
     finally:
         for cb in cbs:
             cb.close()  # the bar's hidden cursor comes back after an error or Ctrl-C too
@@ -107,7 +108,8 @@ def _auto_run(model: Optional[str], data: Optional[str], out: Optional[str], seq
     from memfit.spec.run import run_from_dict
 
     if not model:
-        raise ConfigError("--auto needs --model DIR (a local model folder with weights)")
+        raise ConfigError("--auto needs --model DIR (a local model folder with weights, or a Hub id "
+                          "owner/name)")
     p = local_plan(model, seq_len, micro_batch_size, methods.split(",") if methods else None,
                    sequences=sequences, cpu_ram=cpu_ram)
     if p.recommended is None:
@@ -118,7 +120,7 @@ def _auto_run(model: Optional[str], data: Optional[str], out: Optional[str], seq
     raw = {"model": model, "hardware": "local", "data": {"path": data}, "cpu_ram": cpu_ram,
            "strategy": p.recommended.strategy.model_dump(mode="json"),
            "output_dir": out or "runs/auto"}
-    return run_from_dict(raw, overrides, source="--auto")
+    return run_from_dict(raw, overrides, source="--auto"), list(p.why)
 
 
 def train_command(
@@ -126,7 +128,8 @@ def train_command(
     overrides: Optional[List[str]] = SetOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
     auto: bool = typer.Option(False, "--auto", help="Ask the planner for this machine, then train."),
-    model: Optional[str] = typer.Option(None, "--model", help="With --auto: local model folder."),
+    model: Optional[str] = typer.Option(None, "--model", help="With --auto: local model folder or Hub id "
+                                         "owner/name[@revision]."),
     data: Optional[str] = typer.Option(None, "--data", help="With --auto: JSONL file or datasets folder."),
     out: Optional[str] = typer.Option(None, "--out", help="With --auto: output folder (default runs/auto)."),
     seq_len: int = typer.Option(512, "--seq-len", help="With --auto: sequence length to plan for."),
@@ -163,14 +166,15 @@ def train_command(
     if auto:
         if run_file is not None:
             raise ConfigError("give either a run file or --auto, not both")
-        run = _auto_run(model, data, out, seq_len, micro_batch_size, methods, overrides, as_json,
-                        sequences_per_step, cpu_ram)
+        run, plan_why = _auto_run(model, data, out, seq_len, micro_batch_size, methods, overrides, as_json,
+                                  sequences_per_step, cpu_ram)
         run_path = None
     else:
         if run_file is None:
             raise ConfigError("missing RUN_FILE: `memfit train run.yaml` (or --auto --model DIR --data FILE)")
         run = load_run(run_file, overrides)
         run_path = run_file
+        plan_why = []
     require_for_runs("train", [run])
     d = run.distributed
     for flag, value in (("--nproc", nproc), ("--nodes", nodes)):
@@ -193,7 +197,7 @@ def train_command(
 
         result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
     else:
-        result = _run_training(run, resume=resume, as_json=as_json, overwrite=overwrite)
+        result = _run_training(run, resume=resume, as_json=as_json, overwrite=overwrite, plan_why=plan_why)
     _show(result, as_json)
 
 

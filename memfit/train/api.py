@@ -41,6 +41,7 @@ class TrainResult:
     predicted_step: Optional[dict] = None  # the step time at the padded shapes it trained (train.shapes)
     notes: list[str] = field(default_factory=list)
     report: Optional[str] = None       # report.html (memfit.train.report), where the [plot] extra is installed
+    plan_why: list[str] = field(default_factory=list)  # the planner's reasons, where it chose (train --auto)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,13 +122,14 @@ def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = 
 
 
 def train(run, *, callbacks: Sequence = (), resume: bool = False, overwrite: bool = False,
-          data: Optional[tuple] = None) -> TrainResult:
+          data: Optional[tuple] = None, plan_why: Sequence[str] = ()) -> TrainResult:
     """Train ``run`` (a RunSpec) in this process; rank 0 writes metrics, checkpoints' trainer state and
     the final adapter/model. Extra ``transformers.TrainerCallback``s (e.g. a memory probe) are attached.
     ``data`` = (train_ds, eval_ds, DataReport) of token ids replaces ``run.data`` and the tokenizer
     (``memfit measure`` feeds exact shapes that way). The output folder is checked and held first
     (memfit.train.outdir): a finished run is not replaced without ``overwrite``, two runs never write
-    into one folder, and a refused run leaves nothing behind."""
+    into one folder, and a refused run leaves nothing behind. ``plan_why``: the planner's sentences for
+    choosing this strategy (``train --auto``), kept in the summary and the report."""
     from memfit.train import outdir
     from memfit.train.checkpoint import checkpoints, latest_checkpoint
 
@@ -144,7 +146,7 @@ def train(run, *, callbacks: Sequence = (), resume: bool = False, overwrite: boo
                                 + "; ".join(reasons))
     ckpt = latest_checkpoint(out) if resume else None
     lock = outdir.OutputLock(out).acquire() if main else None
-    state: dict = {"trainer": None, "started": False}
+    state: dict = {"trainer": None, "started": False, "plan_why": [str(x) for x in plan_why]}
     try:
         return _train(run, out, ckpt, callbacks, overwrite, data, state)
     except KeyboardInterrupt:
@@ -252,6 +254,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
         from memfit.train.shapes import predict_as_ran
 
         result.predicted_step = predict_as_ran(run, ranks, result.predicted)
+    result.plan_why = list(state.get("plan_why") or [])
     if main:
         if data is None:  # the report first (it never raises), so the summary says where it is or how to
             from memfit.train.report import report_after_training  # make it; none for measure's probes
