@@ -3,7 +3,8 @@
 Every prediction of a run (the train summary, the pre-flight, ``memfit measure``, ``train --fallback``,
 ``plan --emit``, ``memfit launch``) comes from :func:`resolve`, so they all see the same pool:
 
-- ``model``: the run's model (preset, folder or config.json) as a :class:`~memfit.spec.model.ModelSpec`;
+- ``model``: the run's model (preset, folder, config.json or Hub id ``owner/name[@revision]``) as a
+  :class:`~memfit.spec.model.ModelSpec`;
 - ``hardware``: the run's ``hardware`` (a catalog pool or ``"local"``: this machine's device kind)
   laid out as the run launches it, ``distributed.nproc`` processes on each of ``distributed.nodes``
   nodes, one device per process. On the CPU device every process is one (pseudo-)device sharing the
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from memfit.errors import ConfigError
 from memfit.spec.hardware import HardwareSpec, default_cpu_ram, parse_hardware
-from memfit.spec.model import ModelSpec, resolve_model
+from memfit.spec.model import HubId, ModelSpec, hub_config_file, hub_id, resolve_model
 from memfit.spec.run import RunSpec
 from memfit.spec.strategy import Strategy
 
@@ -68,12 +69,19 @@ def predict(run: RunSpec, profile=None):
     return estimate(r.model, r.hardware, r.strategy, profile=profile, distributed=run.distributed)
 
 
-def model_dir(name: str) -> Path:
-    """A local model folder with weights; anything else is a clear ConfigError."""
+def model_dir(name: str) -> Path | HubId:
+    """A local model folder with weights, or a Hub id ``owner/name[@revision]`` that is not a local path
+    (its config.json fetched now, so a gated or missing repository or no network is one line before
+    anything loads; training loads its weights by id, as transformers does). Anything else is a clear
+    ConfigError."""
     p = Path(name).expanduser()
     if p.is_file() and p.name == "config.json":
         p = p.parent
     if not p.is_dir():
+        hub = hub_id(name)
+        if hub is not None:
+            hub_config_file(hub)
+            return hub
         if p.is_file():
             hint = "it is a file, not a folder"
         elif os.sep not in name and not p.suffix:
@@ -82,7 +90,8 @@ def model_dir(name: str) -> Path:
             hint = "no such folder"
         raise ConfigError(f"model: '{name}' is not a local model folder ({hint}); memfit train needs a "
                           "folder with config.json and weights (*.safetensors), e.g. one written by "
-                          "save_pretrained, or run `memfit demo` for the embedded tiny model")
+                          "save_pretrained, or a Hub id (owner/name), or run `memfit demo` for the embedded "
+                          "tiny model")
     if not (p / "config.json").is_file():
         raise ConfigError(f"model: {p} has no config.json; give a Hugging Face model folder")
     if not any(next(p.glob(g), None) for g in _WEIGHT_GLOBS):

@@ -72,7 +72,8 @@ def _label(run: Any, combo_index: int) -> str:
 
 def measure_cmd(
     run_file: Optional[Path] = typer.Argument(None, help="Run file (YAML); or give --model and strategy flags."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local model folder (with weights)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local model folder (with weights) or Hub id "
+                                         "owner/name[@revision]."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="'local' (measure runs on this machine; "
                                        "another pool only with --trace-only)."),
     cpu_ram: Optional[str] = typer.Option(None, "--cpu-ram", help="CPU RAM of this node for the prediction, "

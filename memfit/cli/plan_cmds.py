@@ -18,7 +18,8 @@ S = "Strategy (one flag per key)"
 P = "Search"
 O = "Output"
 
-ModelOpt = typer.Option(..., "--model", "-m", help="Preset name, model folder, or config.json.", rich_help_panel=M)
+ModelOpt = typer.Option(..., "--model", "-m", help="Preset name, model folder, config.json, or Hub id "
+                        "owner/name[@revision] (config.json only, into the HF cache).", rich_help_panel=M)
 GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, or 'local'.",
                        rich_help_panel=M)
 CpuRamOpt = typer.Option(None, "--cpu-ram", help="CPU RAM per node, e.g. 128GB (default: catalog/detected).",
@@ -249,7 +250,7 @@ def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Opti
 def matrix_cmd(
     gpus: str = typer.Option(..., "--gpus", help="GPU pool, e.g. 8xV100-32GB.", rich_help_panel=M),
     cpu_ram: Optional[str] = CpuRamOpt, nodes: Optional[int] = NodesOpt,
-    models: Optional[str] = typer.Option(None, "--models", help="Comma-separated presets/folders "
+    models: Optional[str] = typer.Option(None, "--models", help="Comma-separated presets/folders/Hub ids "
                                          "(default: llama-2-7b,llama-2-13b,llama-2-70b,falcon-180b).",
                                          rich_help_panel=P),
     seq_lens: Optional[str] = typer.Option(None, "--seq-lens", help="Comma-separated sequence lengths "

@@ -30,8 +30,11 @@ def synthetic_text_records(n: int, seq_len: int, seed: int = 0) -> list[dict[str
 
 
 def vocab_size_of(model_path: str) -> Optional[int]:
+    from memfit.spec.model import hub_config_file, hub_id
+
     p = Path(model_path)
-    cfg = p if p.name == "config.json" else p / "config.json"
+    hub = hub_id(str(model_path))
+    cfg = hub_config_file(hub) if hub is not None else p if p.name == "config.json" else p / "config.json"
     try:
         data = json.loads(cfg.read_text())
     except (OSError, ValueError):

@@ -62,7 +62,8 @@ class DistributedSpec(BaseModel):
 class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(..., description="preset name, model folder, or path to a config.json")
+    model: str = Field(..., description="preset name, model folder, path to a config.json, or Hugging Face "
+                       "Hub id owner/name[@revision] (training loads its weights by id; never remote code)")
     hardware: str = Field("local", description="'local' or a pool such as '2xRTX3090-24GB'")
     cpu_ram: Optional[str] = Field(None, description="CPU RAM of a node, e.g. '128GB'; default: detect/catalog")
     data: DataSpec = DataSpec()

@@ -1,4 +1,6 @@
-"""Load the run's model from a local folder and apply the run's method (:mod:`memfit.methods`).
+"""Load the run's model (a local folder, or a Hub id ``owner/name[@revision]`` by id through transformers
+and the HF cache) and apply the run's method (:mod:`memfit.methods`). Never ``trust_remote_code``: the
+architectures memfit plans are all transformers' own.
 
 The method's ``load_kwargs`` (QLoRA's 4-bit config) go to ``from_pretrained``; its ``build`` wraps the
 loaded model (gradient checkpointing, always non-reentrant; peft; MEFT). The model is put in train mode
@@ -9,13 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from memfit.errors import ConfigError
 from memfit.methods import for_strategy
 from memfit.methods.base import load_dtypes
 from memfit.resolve import model_dir
+from memfit.spec.model import HubId, hub_config_file
 
 
 @dataclass
@@ -61,14 +63,27 @@ def choose_attention(requested: str, notes: list[str]) -> str:
     return requested
 
 
-def load_tokenizer(path: Path):
+def _source(model) -> tuple[str, dict]:
+    """(what from_pretrained loads, its keyword arguments): a local folder without any download, or a Hub
+    id at its revision (huggingface_hub's cache and environment: HF_HOME, HF_HUB_OFFLINE, HF_TOKEN)."""
+    if isinstance(model, HubId):
+        return model.repo_id, ({"revision": model.revision} if model.revision else {})
+    return str(model), {"local_files_only": True}
+
+
+def load_tokenizer(path):
+    """The tokenizer of a model folder (Path) or of a Hub id (:class:`HubId`)."""
     from transformers import AutoTokenizer
 
+    name, kwargs = _source(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except Exception as err:  # noqa: BLE001 - narrowed by _damaged
         if not _damaged(err):
             raise
+        if isinstance(path, HubId):
+            raise ConfigError(f"model: {path} has no usable tokenizer on the Hub or in the cache "
+                              f"({_first_line(err)}); pass a local folder with one") from None
         raise ConfigError(f"model: {path} has no usable tokenizer or config ({_first_line(err)}); save "
                           "them with save_pretrained into the folder") from None
     if tokenizer.pad_token_id is None:
@@ -76,15 +91,20 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
-def _load(auto_cls, path: Path, kwargs: dict):
-    """from_pretrained; a damaged folder (config values of the wrong kind, corrupt or empty weights) is
-    one ConfigError line."""
+def _load(auto_cls, path, kwargs: dict):
+    """from_pretrained; a damaged folder (config values of the wrong kind, corrupt or empty weights), or
+    weights of a Hub id that cannot be fetched, is one ConfigError line."""
+    name, where = _source(path)
     try:
-        return auto_cls.from_pretrained(str(path), **kwargs)
+        return auto_cls.from_pretrained(name, **where, **kwargs)
     except Exception as err:  # noqa: BLE001 - narrowed by _damaged
         if not _damaged(err):
             raise
         why = _first_line(err)
+    if isinstance(path, HubId):
+        raise ConfigError(f"model: {path} cannot be loaded from the Hub or its cache ({why}); check "
+                          "HF_TOKEN and the network (HF_HUB_OFFLINE=1 needs the weights cached), or pass a "
+                          "local folder") from None
     raise ConfigError(f"model: {path} cannot be loaded ({why}); check config.json and the *.safetensors "
                       "files (write them with save_pretrained)") from None
 
@@ -119,12 +139,13 @@ def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
 
     engine = engine or for_run(run)
     s = run.strategy
-    path = model_dir(run.model)
+    path = model_dir(run.model)  # a folder, or a Hub id (config.json already fetched)
     notes: list[str] = []
-    cfg = read_config(path / "config.json")
+    cfg_path = hub_config_file(path) if isinstance(path, HubId) else path / "config.json"
+    cfg = read_config(cfg_path)
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None and (not isinstance(max_pos, int) or isinstance(max_pos, bool)):
-        raise ConfigError(f"{path / 'config.json'}: max_position_embeddings must be an integer, got {max_pos!r}")
+        raise ConfigError(f"{cfg_path}: max_position_embeddings must be an integer, got {max_pos!r}")
     if max_pos and s.seq_len > max_pos:
         raise ConfigError(f"strategy.seq_len={s.seq_len} is above the model's max_position_embeddings="
                           f"{max_pos}; use --set strategy.seq_len={max_pos} or less")
@@ -132,7 +153,7 @@ def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
     method = for_strategy(s)
     load_dtype, compute_dtype = load_dtypes(s, cuda=_on_cuda())
     attention = choose_attention(s.attention, notes)
-    kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention, local_files_only=True)
+    kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention)
     kwargs.update(method.load_kwargs(run, compute_dtype, engine, local_rank, _on_cuda(), notes))
     model = _load(AutoModelForCausalLM, path, kwargs)
     model.config.use_cache = False
