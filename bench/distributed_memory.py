@@ -115,7 +115,7 @@ def peak_worker(case: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memfit.measure.probe import TensorMemoryProbe
+    from estimate_vs_probe_dist import optimizer_step, second_step_peak  # bench/, beside this script
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -132,17 +132,7 @@ def peak_worker(case: str) -> None:
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, PEAK_RAW["vocab_size"], (2, 512), generator=g)
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    model.train()
-    step()
-    with TensorMemoryProbe("cpu", categories=False) as probe:
-        step()
-    measured = torch.tensor([float(probe.result().peak_allocated_bytes)])
+    measured = torch.tensor([second_step_peak(model, optimizer_step(model, opt, ids))])
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, measured)
     if dist.get_rank() == 0:

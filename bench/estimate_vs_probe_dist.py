@@ -19,12 +19,30 @@ STRATEGY = {"ddp": {}, "fsdp": {"fsdp": "full_shard"}, "fsdp_sgo": {"fsdp": "sha
             "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
 
 
+def optimizer_step(model, opt, ids):
+    """One plain training step as a closure: forward with labels, backward, the optimizer, gradients freed."""
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def second_step_peak(model, step) -> float:
+    """The allocator peak of a training step after one warm-up step (memfit's TensorMemoryProbe, CPU)."""
+    from memfit.measure.probe import TensorMemoryProbe
+
+    model.train()
+    step()
+    with TensorMemoryProbe("cpu", categories=False) as probe:
+        step()
+    return float(probe.result().peak_allocated_bytes)
+
+
 def worker(engine_name: str) -> None:
     import torch
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from memfit.measure.probe import TensorMemoryProbe
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -57,17 +75,9 @@ def worker(engine_name: str) -> None:
             for layer in model.model.layers:
                 fully_shard(layer, reshard_after_forward=reshard)
             fully_shard(model, reshard_after_forward=reshard)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = optimizer_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), ids)
 
-        def step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    model.train()
-    step()
-    with TensorMemoryProbe("cpu", categories=False) as probe:
-        step()
+    measured = second_step_peak(model, step)
     if dist.get_rank() == 0:
         from memfit.estimate import estimate
         from memfit.spec.hardware import parse_hardware
@@ -77,7 +87,6 @@ def worker(engine_name: str) -> None:
         spec = model_from_config({"model_type": "llama", **RAW}, name="tiny")
         st = Strategy(method="full", precision="fp32", seq_len=512, micro_batch_size=2, **STRATEGY[engine_name])
         predicted = estimate(spec, parse_hardware("2xCPU"), st).to_dict()["memory"]["gpu_allocated_bytes"]
-        measured = probe.result().peak_allocated_bytes
         print(f"RESULT {engine_name:9} {measured / 1e6:10.1f} {predicted / 1e6:10.1f} "
               f"{100 * (predicted / measured - 1):+6.1f}%", flush=True)
     dist.barrier()

@@ -11,7 +11,7 @@ from typing import Any
 from memfit.spec.model import ModelSpec
 from memfit.steptime.cpu import fresh_bytes, mmap_threshold
 from memfit.steptime.speeds import Speeds
-from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_bytes, kbit_cast_bytes, lora_elementwise_bytes,
+from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_cached, kbit_cast_bytes, lora_elementwise_bytes,
                                   ops_per_layer, per_model)
 
 _SUMS: dict = {}
@@ -41,11 +41,6 @@ def _adapted_shapes(model: ModelSpec, adapted: frozenset) -> tuple:
 def _head_rate(model: ModelSpec, sp: Speeds) -> float:
     """``sp.gemm(hidden, vocab)``: the output head's FLOP/s (cached per model and speeds)."""
     return per_model(("head", id(model), sp), model, lambda: sp.gemm(model.hidden, model.vocab))
-
-
-def _elementwise(model: ModelSpec, e: float) -> float:
-    """:func:`elementwise_bytes`, cached per model and value size."""
-    return per_model((id(model), e), model, lambda: elementwise_bytes(model, e))
 
 
 def _linear_sums(model: ModelSpec, sp: Speeds, adapted: frozenset) -> tuple[float, float, float]:
@@ -111,7 +106,7 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     # recomputed forward
     drop_values = T * L * sum(w * k for k, n, w in shapes) * (2.0 if gc else 1.0) if timed_drop else 0.0
     drop_s = drop_values * sp.dropout_value
-    mem = T * L * (_elementwise(model, se) * fwd + lora_bytes)
+    mem = T * L * (elementwise_cached(model, se) * fwd + lora_bytes)
     if fp32_stream and e != 4.0:  # forward, backward (the gradients' casts), recomputation
         mem += T * L * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm

@@ -21,7 +21,8 @@ from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
-from memfit.steptime.work import elementwise_bytes, kbit_cast_bytes, lora_elementwise_bytes, per_model
+from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
+                                  lora_elementwise_bytes, per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
 
@@ -67,15 +68,14 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     redo_head = getattr(st, "loss", "standard") == "chunked" and engine == "zero3"
     dense_s += hf * (2.0 if redo_head else 1.0) + hb
     passes = (3.0 if full else 2.0) + (1.0 if gc else 0.0)
-    dense = 2.0 * T * L * sum(x.in_features * x.out_features * x.count * x.active for x in model.linears) * passes
+    dense = 2.0 * T * L * linear_area(model) * passes
     dense += 2.0 * T * h * model.vocab * ((3.0 if full else 2.0) + (1.0 if redo_head else 0.0))
     adapter_s = adapter = 0.0
     fp32_adapter = st.precision in ("bf16", "fp32")  # no autocast: PEFT's fp32 adapters multiply in fp32
     if adapted:
         af, ab = _adapters(model, adapted, st.lora_r, T, g, fp32_adapter)
         adapter_s = L * (af * (2.0 if gc else 1.0) + ab)
-        width = sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)
-        adapter = 2.0 * T * st.lora_r * width * (3.0 + (1.0 if gc else 0.0)) * L
+        adapter = 2.0 * T * st.lora_r * adapted_width(model, adapted) * (3.0 + (1.0 if gc else 0.0)) * L
     if meft_rows:  # every token meets the buffered keys and values: two (T x h)(h x rows)-shaped products, x3
         mf, mb = linear_seconds(T, h, meft_rows, g, True, e)
         adapter_s += 2.0 * L * (mf + mb)
@@ -92,7 +92,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)
     lora_b = sum(x.count * x.active * lora_elementwise_bytes(x.in_features, x.out_features, se, st.lora_dropout > 0,
                                                              se != 4.0, gc) for x in model.linears if x.name in adapted)
-    layer_bytes = T * (elementwise_bytes(model, se) * fwd + lora_b)
+    layer_bytes = T * (elementwise_cached(model, se) * fwd + lora_b)
     if fp32_stream and e != 4.0:
         layer_bytes += T * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
     mem_s = L * layer_bytes / g.bandwidth(T * h * se)

@@ -7,7 +7,8 @@ Two sources, one shape (:class:`Speeds`):
   NF4 dequantisation, as timed on this machine. On a CPU the figures are read at the threads each
   process runs (``OMP_NUM_THREADS``, else cores / processes as memfit's launcher sets it) and shared
   when processes × threads exceed the cores.
-* **catalog** — the GPU's data-sheet peaks × the utilisation constants of the Profile (cited there).
+* **catalog** — for a GPU, its kind's rates (memfit.steptime.rates: the parts model prices the micro-batch);
+  for an uncalibrated CPU, the core-count guess × ``utilization_cpu``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def log_interp(pts, x: float) -> float:
     return pts[-1][1]
 
 
-CAUSAL_WORK = 0.5  # share of the s² score work a causal fused attention kernel does (the lower triangle)
 @dataclass(frozen=True)
 class Speeds:
     basis: str

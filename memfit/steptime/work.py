@@ -76,3 +76,21 @@ def kbit_cast_bytes(model: ModelSpec, e: float) -> float:
     per input and per output value; the backward casts the gradients the same way."""
     return per_model(("kbit", id(model), e), model, lambda: sum(
         (4.0 + e) * (x.in_features + x.out_features) * x.active * x.count for x in model.linears))
+
+
+def elementwise_cached(model: ModelSpec, e: float) -> float:
+    """:func:`elementwise_bytes`, cached per model and value size (plans estimate thousands of combinations)."""
+    return per_model(("elementwise", id(model), e), model, lambda: elementwise_bytes(model, e))
+
+
+def linear_area(model: ModelSpec) -> float:
+    """Σ k·n of one layer's linears, each weighted by the tokens it sees per token (a mixture's top-k: count x
+    active), cached per model."""
+    return per_model(("area", id(model)), model, lambda: float(
+        sum(x.in_features * x.out_features * x.count * x.active for x in model.linears)))
+
+
+def adapted_width(model: ModelSpec, adapted: frozenset) -> float:
+    """Σ (k + n) of one layer's adapted linears, weighted as :func:`linear_area`, cached per model."""
+    return per_model(("width", id(model), adapted), model, lambda: float(
+        sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)))
