@@ -23,22 +23,18 @@ from memfit.errors import IncompatibleError, MemfitError
 
 def config_path(model: str) -> Path:
     """A model folder, a config.json, a memfit preset name or a Hub id (owner/name[@revision], fetched
-    into the HF cache) → its config.json."""
-    p = Path(model).expanduser()
-    if p.is_dir() and (p / "config.json").is_file():
-        return p / "config.json"
-    if p.is_file():
-        return p
-    from memfit.spec.model import PRESET_DIR, hub_config_file, hub_id
+    into the HF cache) → its config.json (memfit.spec.model.config_file; a Hub id's failures keep their own
+    line)."""
+    from memfit.errors import ConfigError
+    from memfit.spec.model import config_file, hub_id
 
-    preset = PRESET_DIR / f"{model}.json"
-    if preset.is_file():
-        return preset
-    hub = hub_id(model)
-    if hub is not None:
-        return hub_config_file(hub)
-    raise MemfitError(f"model: {model!r} is neither a folder with config.json, a config.json, a preset, nor "
-                      "a Hub id (owner/name)")
+    try:
+        return config_file(model)
+    except ConfigError:
+        if hub_id(model) is not None:
+            raise
+        raise MemfitError(f"model: {model!r} is neither a folder with config.json, a config.json, a preset, "
+                          "nor a Hub id (owner/name)") from None
 
 
 class LiveStorageTracker:
