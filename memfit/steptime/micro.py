@@ -55,6 +55,24 @@ def _adapters(model: ModelSpec, adapted: frozenset, r: int, tokens: float, g: Gp
     return per_model(("gpu-ad", id(model), adapted, r, tokens, g, fp32), model, compute)
 
 
+def _lora_bytes(model: ModelSpec, adapted: frozenset, se: float, dropout: bool, gc: bool) -> float:
+    """Bytes per token one layer's LoRA linears move outside their matmuls (cached per model and shape)."""
+    return per_model(("gpu-lora-b", id(model), adapted, se, dropout, gc), model, lambda: sum(
+        x.count * x.active * lora_elementwise_bytes(x.in_features, x.out_features, se, dropout, se != 4.0, gc)
+        for x in model.linears if x.name in adapted))
+
+
+def _dequant(model: ModelSpec, g: GpuRates) -> float:
+    """Seconds of one layer's NF4 dequantisations, once each (cached per model and GPU)."""
+    def compute():
+        total = 0.0
+        for x in model.linears:
+            nbytes = x.in_features * x.out_features * NF4_BYTES_PER_VALUE
+            total += x.count * nbytes / g.bandwidth(nbytes)
+        return total
+    return per_model(("gpu-dequant", id(model), g), model, compute)
+
+
 def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, adapted: frozenset,
                 meft_rows: float, router: float, fp32_stream: bool, profile, engine: str,
                 grad_tensors: float = 0.0) -> dict[str, float]:
@@ -62,7 +80,8 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     T, L, h = float(b) * s, model.layers, model.hidden
     lf, lb = _linears(model, T, g, e, full)
     dense_s = L * (lf * (2.0 if gc else 1.0) + lb)
-    hf, hb = linear_seconds(T, h, model.vocab, g, full, e)
+    hf, hb = per_model(("gpu-head", id(model), T, g, e, full), model,
+                       lambda: linear_seconds(T, h, model.vocab, g, full, e))
     # loss=chunked under DeepSpeed ZeRO-3 (partitioned head weight) recomputes each chunk's logits in the
     # backward (memfit.train.loss): one more head forward, and that chunk's forward passes over the logits
     redo_head = getattr(st, "loss", "standard") == "chunked" and engine == "zero3"
@@ -90,8 +109,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     else:
         attn_s = L * fused_seconds(b, heads, s, d, g, profile.mem_efficient_attention_fraction) * redo
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)
-    lora_b = sum(x.count * x.active * lora_elementwise_bytes(x.in_features, x.out_features, se, st.lora_dropout > 0,
-                                                             se != 4.0, gc) for x in model.linears if x.name in adapted)
+    lora_b = _lora_bytes(model, adapted, se, st.lora_dropout > 0, gc)
     layer_bytes = T * (elementwise_cached(model, se) * fwd + lora_b)
     if fp32_stream and e != 4.0:
         layer_bytes += T * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
@@ -105,10 +123,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     dequant_s = 0.0
     qlora = st.method == "qlora"
     if qlora:
-        for x in model.linears:
-            nbytes = x.in_features * x.out_features * NF4_BYTES_PER_VALUE
-            dequant_s += x.count * nbytes / g.bandwidth(nbytes)
-        dequant_s *= L * (3.0 if gc else 2.0)
+        dequant_s = L * (3.0 if gc else 2.0) * _dequant(model, g)
     device = dense_s + adapter_s + attn_s + mem_s + dequant_s
     host = host_seconds(model, len(adapted), st.attention == "eager", gc, qlora, engine, profile, grad_tensors,
                         st.grad_accum)

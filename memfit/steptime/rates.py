@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from memfit.steptime.devices import device_kind
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: one object per (GPU, Profile) from speeds_for's cache
 class GpuRates:
     name: str
     sms: int
