@@ -42,3 +42,23 @@ def test_causal_fused_attention_and_eager_square():
     # eager materialises the whole square (its scores through memory): slower than the fused kernel
     eager = estimate(m, hw, Strategy(**{**ST, "attention": "eager"})).time
     assert eager["attention_seconds"] > 2 * fused["attention_seconds"]
+
+
+def test_geforce_without_peer_to_peer_collects_through_host_memory():
+    """RTX 3090 / 4090 have no peer-to-peer: NCCL's SHM path at shm_bus_fraction of the PCIe link; cards with
+    NVLink or PCIe peer-to-peer keep intra_node_bandwidth x intra_node_efficiency."""
+    from memfit.steptime.speeds import speeds_for
+
+    p = Profile()
+    for pool, p2p in (("2xRTX3090-24GB", False), ("2xRTX4090-24GB", False), ("2xA100-80GB", True),
+                      ("2xRTX6000Ada-48GB", True)):
+        hw = parse_hardware(pool)
+        bus = speeds_for(hw, "bf16-mixed", "sdpa", p).bus_bandwidth
+        nvlink = hw.gpu.intra_node_bandwidth * p.intra_node_efficiency
+        assert bus == pytest.approx(min(nvlink, hw.gpu.pcie_bandwidth * 0.31) if not p2p else nvlink), pool
+    # so an FSDP LoRA step of a 7B on 2 x 3090 spends ~2.3x longer in its all-gathers than at P2P speed
+    m, st = resolve_model("llama-2-7b"), Strategy(method="lora", fsdp="full_shard", gradient_checkpointing=True,
+                                                 micro_batch_size=1, seq_len=512)
+    slow = estimate(m, parse_hardware("2xRTX3090-24GB"), st).time["comm_seconds"]
+    fast = estimate(m, parse_hardware("2xRTX3090-24GB"), st, profile=p.with_values(shm_bus_fraction=1.0)).time
+    assert slow / fast["comm_seconds"] == pytest.approx(0.7 / 0.31, rel=0.05)

@@ -79,6 +79,7 @@ class Profile:
     adamw_ops_per_tensor: float = 9.4  # torch.optim.AdamW (single-tensor, 2.13 adam.py _single_tensor_adam) ops per parameter per step: 367 over 39, counted likewise
     dtensor_op_extra: float = 4.0  # DTensor's dispatch per op beyond a plain tensor's, in small-op costs: AdamW.step over 39 FSDP2 shards (1.7 M elements) 17-26 ms vs 10.2 ms over 39 whole tensors (3.4 M) in the same window, op_seconds 10.6 us
     # ---- time: communication ------------------------------------------------------------------------
+    shm_bus_fraction: float = 0.31  # GPUs without peer-to-peer (GeForce without NVLink): NCCL's SHM transport stages every byte through host memory; its bus bandwidth as a share of the PCIe link, one direction (nccl-tests#74: P2P-disabled bidirectional copies 19-21 GB/s on PCIe 4.0 x16, ~10 GB/s each way = 0.31 of 32 GB/s)
     intra_node_efficiency: float = 0.7  # achieved fraction of NVLink/PCIe bandwidth for NCCL ring collectives (nccl-tests busbw)
     inter_node_efficiency: float = 0.8  # achieved fraction of the node's network bandwidth
     pcie_efficiency: float = 0.75  # achieved fraction of PCIe bandwidth for pinned host<->device copies

@@ -13,9 +13,10 @@ GPU time model's parts divide by, each from a public source.
   peak (FA2 paper arXiv 2307.08691: up to ~230 TFLOP/s = 0.6-0.73 of A100's 312 forward, ~0.55-0.6 forward +
   backward; FA3 paper arXiv 2407.08608: FA2 reaches only ~0.35-0.4 of H100's). Ampere / Ada / others take
   the Profile's ``attention_max_fraction``.
-* ``p2p`` — whether the cards of one node exchange over NVLink or PCIe peer-to-peer. GeForce RTX 4090 has
-  peer-to-peer disabled in the driver (NCCL falls back to host shared memory, NCCL_P2P_LEVEL docs);
-  ``p2p_bandwidth`` then is what NCCL's SHM path achieves through host memory.
+* ``p2p`` — whether the cards of one node exchange over NVLink or PCIe peer-to-peer. GeForce cards without an
+  NVLink bridge have none (RTX 4090: disabled in the driver; RTX 3090: "CANNOT Access Peer", NVIDIA/nccl#1127):
+  NCCL falls back to its SHM transport through host memory, at ``Profile.shm_bus_fraction`` of the PCIe link
+  (memfit.steptime.speeds).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ DEVICES: dict[str, DeviceKind] = {d.name: d for d in (
     DeviceKind("H100-96GB", 132, 3360 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
     DeviceKind("H100-PCIe-80GB", 114, 2000 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
     DeviceKind("H200-141GB", 132, 4800 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
-    DeviceKind("RTX3090-24GB", 82, 936 * GB, "ampere"),
+    DeviceKind("RTX3090-24GB", 82, 936 * GB, "ampere", p2p=False),
     DeviceKind("RTX4090-24GB", 128, 1008 * GB, "ada", p2p=False),
     DeviceKind("A5000-24GB", 64, 768 * GB, "ampere"),
     DeviceKind("A6000-48GB", 84, 768 * GB, "ampere"),

@@ -289,6 +289,8 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: An
         bus = min(hw.inter_node_bandwidth * p.inter_node_efficiency, gpu.intra_node_bandwidth * p.intra_node_efficiency)
     else:
         bus = gpu.intra_node_bandwidth * p.intra_node_efficiency
+    if not gpu.is_cpu and not device_kind(gpu.name).p2p:  # no peer-to-peer: NCCL's SHM path through host memory
+        bus = min(bus, gpu.pcie_bandwidth * p.shm_bus_fraction)
     pcie = gpu.pcie_bandwidth * p.pcie_efficiency
     return Speeds(
         basis=GPU_PARTS if g else UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
