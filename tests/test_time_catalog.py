@@ -62,3 +62,22 @@ def test_geforce_without_peer_to_peer_collects_through_host_memory():
     slow = estimate(m, parse_hardware("2xRTX3090-24GB"), st).time["comm_seconds"]
     fast = estimate(m, parse_hardware("2xRTX3090-24GB"), st, profile=p.with_values(shm_bus_fraction=1.0)).time
     assert slow / fast["comm_seconds"] == pytest.approx(0.7 / 0.31, rel=0.05)
+
+
+def test_dora_rebuilds_its_weight_norm_every_forward():
+    """DoRA beyond LoRA (peft/tuners/lora/dora.py): per adapted linear k -> n and forward, 8k² + 34kn bytes
+    (eye, B·A, the weight cast, scale, add, norm); per token 26n forward + 48n backward; 10 forward-only ops
+    and 6 with a backward. Llama-3.2-1B, q (2048 -> 2048) and v (2048 -> 512), 256 tokens, no checkpointing."""
+    m, hw = resolve_model("llama-3.2-1b"), parse_hardware("A100-80GB")
+    base = dict(micro_batch_size=1, seq_len=256, lora_targets=("q_proj", "v_proj"), lora_dropout=0.0)
+    lora = estimate(m, hw, Strategy(method="lora", **base)).time
+    dora = estimate(m, hw, Strategy(method="dora", **base)).time
+    g, p = gpu_rates(hw.gpu, "bf16-mixed", Profile()), Profile()
+    k = 2048
+    weight = (8 * k * k + 34 * k * 2048) + (8 * k * k + 34 * k * 512)  # 245.4 MB per layer
+    token = 74.0 * (2048 + 512)  # 189,440 bytes per token and layer
+    se = 2.0  # the residual stream's values (bf16-mixed LoRA: 16-bit)
+    extra_mem = m.layers * (256 * token / g.bandwidth(256 * m.hidden * se) + weight / g.bandwidth(4.0 * k * 2048))
+    assert dora["memory_bound_seconds"] - lora["memory_bound_seconds"] == pytest.approx(extra_mem, rel=1e-9)
+    assert dora["dispatch_seconds"] - lora["dispatch_seconds"] == pytest.approx(
+        m.layers * 2 * (10 * 0.4 + 6) * p.gpu_host_op_seconds, rel=1e-9)

@@ -160,6 +160,13 @@ class Method:
         adapter dtype, 0 when there is none)."""
         return 0.0
 
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict[str, float]:
+        """One layer's work per micro-batch beyond the family's, for the time model (memfit.steptime prices
+        it): ``weight_bytes`` moved once per forward whatever the tokens, ``token_forward_bytes`` and
+        ``token_backward_bytes`` per token, host ``forward_ops`` (forward only) and ``ops`` (forward + backward). ``adapted``: the
+        adapted linears' names. Empty: nothing beyond the family."""
+        return {}
+
     # ---------------------------------------------------------------- training (torch inside)
     def load_kwargs(self, run: Any, compute_dtype: Any, engine: Any, local_rank: int, cuda: bool,
                     notes: list[str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from memfit.spec.model import ModelSpec
 from memfit.steptime.cpu import fresh_bytes, mmap_threshold
 from memfit.steptime.speeds import Speeds
 from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_cached, kbit_cast_bytes, lora_elementwise_bytes,
-                                  ops_per_layer, per_model)
+                                  method_work, ops_per_layer, per_model)
 
 _SUMS: dict = {}
 
@@ -106,7 +106,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     # recomputed forward
     drop_values = T * L * sum(w * k for k, n, w in shapes) * (2.0 if gc else 1.0) if timed_drop else 0.0
     drop_s = drop_values * sp.dropout_value
-    mem = T * L * (elementwise_cached(model, se) * fwd + lora_bytes)
+    weight_b, token_b, extra_ops, _ = method_work(model, st, adapted, gc)  # e.g. DoRA's weight norm
+    mem = T * L * (elementwise_cached(model, se) * fwd + lora_bytes + token_b) + L * weight_b
     if fp32_stream and e != 4.0:  # forward, backward (the gradients' casts), recomputation
         mem += T * L * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
     mem += T * (model.norms_per_layer / 2 * (28.0 + 4.0 * e) * model.hidden) * 3.0  # final norm
@@ -140,7 +141,7 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     calls_s = sp.dequant_call * L * calls * (1.5 if gc else 1.0)
     dequant_s = dequant / sp.dequant + (0.0 if sp.overlap_dispatch else calls_s)
     compute = dense_s + adapter_s + attn_s + mem / sp.bandwidth + dequant_s + faults + drop_s
-    dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc)
+    dispatch = dispatch_seconds(model, sp, len(adapted), st.attention == "eager", gc) + L * extra_ops * sp.op_seconds
     dispatch += calls_s if sp.overlap_dispatch else 0.0
     return {"seconds": max(compute, dispatch) if sp.overlap_dispatch else compute + dispatch,
             "matmul_seconds": dense_s + adapter_s, "attention_seconds": attn_s,

@@ -22,7 +22,7 @@ from memfit.steptime.gemm import linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
 from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
-                                  lora_elementwise_bytes, per_model)
+                                  lora_elementwise_bytes, method_work, per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
 
@@ -113,7 +113,8 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     layer_bytes = T * (elementwise_cached(model, se) * fwd + lora_b)
     if fp32_stream and e != 4.0:
         layer_bytes += T * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
-    mem_s = L * layer_bytes / g.bandwidth(T * h * se)
+    weight_b, token_b, extra_ops, size = method_work(model, st, adapted, gc)  # e.g. DoRA's weight norm
+    mem_s = L * (layer_bytes + T * token_b) / g.bandwidth(T * h * se) + (L * weight_b / g.bandwidth(size) if weight_b else 0.0)
     loss_bytes = T * model.vocab * (10 * 4.0 + 2 * e) + T * model.norms_per_layer / 2 * (28.0 + 4.0 * e) * h * 3.0
     if redo_head:  # write, upcast, log-softmax of the recomputed chunk
         loss_bytes += T * model.vocab * (4 * 4.0 + e)
@@ -126,7 +127,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         dequant_s = L * (3.0 if gc else 2.0) * _dequant(model, g)
     device = dense_s + adapter_s + attn_s + mem_s + dequant_s
     host = host_seconds(model, len(adapted), st.attention == "eager", gc, qlora, engine, profile, grad_tensors,
-                        st.grad_accum)
+                        st.grad_accum) + L * extra_ops * profile.gpu_host_op_seconds
     serial = zero3_hook_seconds(model, gc, profile) if engine == "zero3" else 0.0
     return {"seconds": max(device, host) + serial, "device_seconds": device, "matmul_seconds": dense_s + adapter_s,
             "attention_seconds": attn_s, "memory_bound_seconds": mem_s, "dequant_seconds": dequant_s,

@@ -4,6 +4,7 @@ both price these counts at their own speeds."""
 
 from __future__ import annotations
 
+from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec
 
 _PER_MODEL: dict = {}
@@ -94,3 +95,20 @@ def adapted_width(model: ModelSpec, adapted: frozenset) -> float:
     """Σ (k + n) of one layer's adapted linears, weighted as :func:`linear_area`, cached per model."""
     return per_model(("width", id(model), adapted), model, lambda: float(
         sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)))
+
+
+def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[float, float, float, float]:
+    """The method's own work per layer and micro-batch beyond its family's (``Method.extra_layer_work``, e.g.
+    DoRA's weight norm), for both time models: (bytes moved once per forward — twice under checkpointing —,
+    bytes per token, host ops in forward + backward units, the size of one weight-sized transfer)."""
+    def compute():
+        w = METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS else {}
+        if not w:
+            return 0.0, 0.0, 0.0, 0.0
+        fwd = 2.0 if gc else 1.0
+        ops = w.get("forward_ops", 0.0) * RECOMPUTE_DISPATCH * fwd + w.get("ops", 0.0) * (
+            1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))
+        largest = max((4.0 * x.in_features * x.out_features for x in model.linears if x.name in adapted), default=1.0)
+        return (w.get("weight_bytes", 0.0) * fwd, w.get("token_forward_bytes", 0.0) * fwd
+                + w.get("token_backward_bytes", 0.0), ops, largest)
+    return per_model(("method-work", id(model), st.method, adapted, gc), model, compute)

@@ -16,6 +16,18 @@ What the estimator adds to LoRA's count (:meth:`extra_trainable_parameters`, :me
   the input was cast to the fp32 adapters, the linear saves that cast copy of the base weight (autocast's
   16-bit copy of it under mixed precision) for the input gradient, once per adapted linear and layer.
 
+Time (:meth:`extra_layer_work`, memfit.steptime prices it): every forward of every adapted linear k -> n
+rebuilds ``B·A`` and the weight norm — ``torch.eye(k)`` in the adapters' dtype (4k² bytes written),
+``lora_A(eye)`` (reads it, writes k x r), ``lora_B`` of that (writes the k x n ``lora_weight``), the base weight
+cast to the input's dtype (``weight.to(x.dtype)``: 2 read + 4 written per value where the adapters are fp32),
+``get_weight_norm``'s ``scaling * lora_weight`` (8), ``weight + ...`` (12) and ``torch.linalg.norm(dim=1)``
+(4): 8k² + 34kn bytes (products of rank r at fp32: memory-bound, priced by their bytes). Per token, in the
+adapters' dtype a: ``(mag_norm_scale - 1) * base_result``, ``mag_norm_scale * lora_result * scaling`` and their
+sum, forward 26n bytes (2 + 4 + 8 + 12 per value with a 16-bit base output); backward the gradients of those
+products and the magnitude's reductions over the tokens, 48n. Host: ~16 more ops per adapted linear's
+forward, 10 forward-only (eye, the two products, the casts, the norm, detach, the division, views) and 6
+with a backward (the scale, the three products, the sum).
+
 Not counted: the forward's transients (an identity matrix in × in, ``B·A`` as a full out × in matrix, the
 weight norm's temporaries), freed once each linear's forward returns.
 """
@@ -46,6 +58,16 @@ class Dora(Lora):
         else:
             base_b, weights = compute_bytes, 0.0
         return layers * (tokens * outs * (base_b + adapter_bytes) + weights)
+
+
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict[str, float]:
+        a = 4.0  # PEFT keeps the adapters in fp32 (autocast_adapter_dtype) and casts the input to them
+        linears = [x for x in model.linears if x.name in adapted]
+        return {"weight_bytes": sum(x.count * (2.0 * a * x.in_features ** 2 + (8.0 * a + 2.0) * x.in_features
+                                               * x.out_features) for x in linears),
+                "token_forward_bytes": sum(x.count * x.active * 26.0 * x.out_features for x in linears),
+                "token_backward_bytes": sum(x.count * x.active * 48.0 * x.out_features for x in linears),
+                "forward_ops": 10.0 * sum(x.count for x in linears), "ops": 6.0 * sum(x.count for x in linears)}
 
 
 METHOD = Dora()
