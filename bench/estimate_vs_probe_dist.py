@@ -28,12 +28,27 @@ def optimizer_step(model, opt, ids):
     return step
 
 
+def _free_fsdp1_stale_grads(model) -> None:
+    """FSDP1 (use_orig_params) keeps each FlatParameter's sharded gradient after ``zero_grad(set_to_none=True)``
+    until the root's next pre-forward frees it, first thing in the step (torch/distributed/fsdp/_runtime_utils.py
+    ``_root_pre_forward`` -> ``_reset_flat_param_grad_info_if_needed``). The CPU probe cannot see frees of
+    blocks allocated before its window, so it would count them through the whole step: free them as FSDP1
+    does, before the window opens."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in FSDP.fsdp_modules(model):
+        flat = unit._flat_param
+        if flat is not None and flat.grad is not None and all(p.grad is None for p in flat._params or ()):
+            flat.grad = None
+
+
 def second_step_peak(model, step) -> float:
     """The allocator peak of a training step after one warm-up step (memfit's TensorMemoryProbe, CPU)."""
     from memfit.measure.probe import TensorMemoryProbe
 
     model.train()
     step()
+    _free_fsdp1_stale_grads(model)
     with TensorMemoryProbe("cpu", categories=False) as probe:
         step()
     return float(probe.result().peak_allocated_bytes)
