@@ -3,7 +3,7 @@
     .venv/bin/python bench/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
     .venv/bin/python bench/distributed_memory.py --peak [--cases fsdp1/full,fsdp2/lora]   # allocator peak
 
-``--peak``: FSDP1 and FSDP2, full fine-tuning and LoRA, each in its own 2-process gloo launch: a tiny random
+``--peak``: FSDP1 and FSDP2, full fine-tuning, LoRA and QLoRA (bitsandbytes' CPU NF4, storage fp32), each in its own 2-process gloo launch: a tiny random
 Llama (h 256, 4 layers, vocab 2000, fp32, AdamW, micro-batch 2, sequence 512), wrapped as memfit's FSDP
 engines have accelerate wrap it — FSDP1: ``FullyShardedDataParallel`` with TRANSFORMER_BASED_WRAP on the
 decoder layers (+ PEFT's ``fsdp_auto_wrap_policy`` for LoRA), ``use_orig_params``, ``limit_all_gathers``,
@@ -66,15 +66,16 @@ def _estimate(model_dir: Path, sets: list[str], steps: int) -> int | None:
 
 PEAK_RAW = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
             "num_hidden_layers": 4, "vocab_size": 2000}
-PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp2/full", "fsdp2/lora")
+PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp1/qlora", "fsdp2/full", "fsdp2/lora", "fsdp2/qlora")
 
 
 def _peak_strategy(case: str):
     from memfit.spec.strategy import Strategy
 
     version, method = case.split("/")
+    extra = {"quant_storage": "fp32"} if method == "qlora" else {}  # one dtype per flat parameter (fp32 run)
     return Strategy(method=method, precision="fp32", seq_len=512, micro_batch_size=2, fsdp="full_shard",
-                    fsdp_version=int(version[-1]), lora_dropout=0.0, lora_r=16,
+                    fsdp_version=int(version[-1]), lora_dropout=0.0, lora_r=16, **extra,
                     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
 
@@ -110,6 +111,26 @@ def _wrap(model, case: str, peft_model):
     return model
 
 
+def _quantized(model):
+    """The same random model reloaded through transformers' bitsandbytes NF4 path (CPU kernels), storage fp32
+    as memfit's QLoRA under FSDP on the CPU (one dtype per flat parameter), compute fp32."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        # every rank writes its own copy (save_pretrained writes on rank 0 only under torch.distributed)
+        from safetensors.torch import save_file
+
+        model.config.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{folder}/model.safetensors")
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                               bnb_4bit_quant_storage=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.float32,
+                                                    attn_implementation="sdpa")
+
+
 def peak_worker(case: str) -> None:
     import torch
     import torch.distributed as dist
@@ -122,7 +143,9 @@ def peak_worker(case: str) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**PEAK_RAW, attn_implementation="sdpa"))
     st = _peak_strategy(case)
-    peft_model = st.method == "lora"
+    peft_model = st.method in ("lora", "qlora")
+    if st.method == "qlora":
+        model = _quantized(model)
     if peft_model:
         from peft import LoraConfig, get_peft_model
 
