@@ -97,8 +97,28 @@ def _grid() -> list[dict]:
 
 
 def _fit_cases(cases: list[Case]) -> list[Case]:
-    """The rows a fit reads: measured, and not on allocated bytes (which do not depend on ``FITTED``)."""
-    return [c for c in cases if c.measured is not None and c.metric != "allocated"]
+    """The rows a fit reads: measured, not on allocated bytes (which do not depend on ``FITTED``), and of
+    the named methods: method=peft rows (any PEFT method from its config) are scored, never fitted, so the
+    Profile's constants stay those of the five methods and every PEFT figure is out of the fit."""
+    return [c for c in cases if c.measured is not None and c.metric != "allocated" and c.strategy.method != "peft"]
+
+
+def peft_type(case: Case) -> str | None:
+    """'IA3', 'LOHA', ... for a method=peft case, else None."""
+    return json.loads(case.strategy.peft_config)["peft_type"] if case.strategy.method == "peft" else None
+
+
+def by_peft_method(cases: list[Case], results: list[dict], in_sample: list[dict]) -> dict:
+    """Per PEFT method (method=peft rows): the held-out signed error range, median |error|, the figures more
+    than 10 % under, and the in-sample range beside it."""
+    out: dict = {}
+    for i, c in enumerate(cases):
+        kind = peft_type(c)
+        if kind is not None and results[i]["error"] is not None:
+            out.setdefault(kind, []).append(i)
+    return {k: {**_range([results[i]["error"] for i in idx]),
+                "under_10": sum(results[i]["error"] < -0.10 for i in idx),
+                "in_sample": _range([in_sample[i]["error"] for i in idx])} for k, idx in sorted(out.items())}
 
 
 def grid_scores(cases: list[Case]) -> list[tuple[dict, list[float]]]:
@@ -214,7 +234,8 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
             "planner_margin": PLANNER_MARGIN,
             "fitted_all_groups": all_fit, "profile": {n: getattr(DEFAULT_PROFILE, n) for n in FITTED},
             "fitted_per_group_left_out": fitted,
-            "kinds": kinds}
+            "kinds": kinds,
+            "peft_methods": by_peft_method(cases, results, in_sample)}
 
 
 def _first_difference(a, b, where: str = "") -> str | None:
@@ -357,7 +378,17 @@ def main(argv=None) -> int:
                   f" (median |e| {ins['median_abs_pct']:.1f} %); wrong verdicts held out: "
                   f"{k['oom_called_fitting']} OOM called fitting, {k['ran_called_not_fitting']} ran called not fitting"
                   f" of {k['verdicts']}")
+        _print_peft_methods(accuracy(args.file, checks, cases=cases, held=held)["peft_methods"])
     return 0
+
+
+def _print_peft_methods(methods: dict) -> None:
+    print("\nper PEFT method (method=peft: scored, never fitted): held out | in-sample")
+    for kind, k in methods.items():
+        ins = k["in_sample"]
+        print(f"  {kind:18s} {k['figures']:3d} figures: {k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} % "
+              f"(median |e| {k['median_abs_pct']:.1f} %, {k['under_10']} more than 10 % under) | "
+              f"{ins['min_pct']:+6.1f} … {ins['max_pct']:+6.1f} %")
 
 
 def _card(r: dict, cases: list[Case]) -> str:

@@ -32,6 +32,17 @@ GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-8
         "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
 
 
+# PEFT methods PEFT itself cannot build on a meta-device copy of the model (memfit.methods.peft.count), or
+# that need a package the pinned set lacks: the count would not be PEFT's own
+PEFT_SKIPS = {
+    "ADAMSS": "PEFT method ADAMSS needs scikit-learn to build (not in memfit's pinned set)",
+    "BOFT": "PEFT method BOFT cannot be built on the meta device (its init calls Tensor.item())",
+    "FROD": "PEFT method FROD cannot be built on the meta device (its init decomposes the base weights)",
+    "SHIRA": "PEFT method SHIRA cannot be built on the meta device (its random mask needs torch.nonzero)",
+    "UNILORA": "PEFT method UNILORA cannot be built on the meta device (its init needs torch.bincount)",
+}
+
+
 class Skip(Exception):
     """A row memfit cannot express; the message names the missing feature."""
 
@@ -98,11 +109,40 @@ def _method(row: dict) -> tuple[str, dict]:
             targets = [targets]
         targets = [t if t.endswith("_proj") or t == "all-linear" or "_" in t else f"{t}_proj" for t in targets]
         dropout = pc.get("lora_dropout", lora.get("dropout", 0.05)) or 0.0
-        return method, {"lora_r": int(r or 8), "lora_targets": tuple(targets), "lora_dropout": float(dropout)}
-    from memfit.methods import NAMES
+        options = {"lora_rslora": bool(pc.get("use_rslora")),  # LoRA's options as memfit's lora method takes them
+                   "lora_modules_to_save": tuple(pc.get("modules_to_save") or ()),
+                   "lora_rank_pattern": pc.get("rank_pattern") or {},
+                   "lora_alpha_pattern": pc.get("alpha_pattern") or {}}
+        return method, {"lora_r": int(r or 8), "lora_targets": tuple(targets), "lora_dropout": float(dropout),
+                        **options}
+    if "LoRA-FA" in method:
+        from memfit.methods import NAMES
 
-    missing = "the LoRA-FA optimizer" if "LoRA-FA" in method else f"PEFT method {pc.get('peft_type') or method}"
-    raise Skip(f"{missing} is not a memfit method ({', '.join(NAMES)})")
+        raise Skip(f"the LoRA-FA optimizer is not a memfit method ({', '.join(NAMES)})")
+    if row["source_group"] == "peft-mmqa" and str(row.get("gradient_checkpointing") or "").startswith("yes"):
+        # the group's reserved peak spans the whole process, generation-based evaluation included (batch 64,
+        # up to 800 tokens: ~6 GB of KV cache beside the 6.4 GB of weights); a checkpointed step is smaller
+        raise Skip("peft-mmqa with checkpointing: the process-wide peak is the evaluation's generation, not "
+                   "the training step")
+    return "peft", {"peft_config": peft_config(pc, method, row)}
+
+
+def peft_config(pc: dict, method: str, row: dict) -> dict:
+    """The row's PEFT config as method=peft reads it: fields the source elided ('<56 entries omitted>')
+    left at PEFT's defaults; Bone (peft < 0.18) is MiSS at peft 0.21.2 (the same layer, renamed)."""
+    kind = str(pc.get("peft_type") or "").upper()
+    if not kind:
+        raise Skip(f"PEFT method {method}: no peft_config published")
+    out = {k: v for k, v in pc.items() if not (isinstance(v, str) and v.startswith("<") and "omitted" in v)}
+    if kind == "BONE":
+        out["peft_type"] = "MISS"
+    if kind in PEFT_SKIPS:
+        raise Skip(PEFT_SKIPS[kind])
+    peft_version = tuple(int(p) for p in ((row.get("software") or {}).get("peft") or "0.0").split(".")[:2])
+    if kind == "OFT" and peft_version < (0, 16):
+        raise Skip("OFT measured at peft < 0.16 (the weight-rotating layer; memfit reads the pinned 0.21.2's "
+                   "input-rotating one)")
+    return out
 
 
 def _engine(row: dict) -> dict:

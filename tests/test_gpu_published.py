@@ -21,8 +21,8 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
                 "memory": {"nvidia_smi_peak": {"value": 26056.0, "unit": "MiB"}}}
     oom = {**BASE, "id": "q70", "model": "NousResearch/Llama-2-70b-hf", "status": "failed (likely OOM)",
            "primary_memory": {"value": 79762.0, "unit": "MiB", "metric_class": "nvidia_smi_peak"}}
-    other = {**BASE, "id": "ia3", "model": "mistralai/Mistral-7B-v0.1", "method": "ia3",
-             "peft_config": {"peft_type": "IA3"}, "primary_memory": measured["primary_memory"]}
+    other = {**BASE, "id": "lorafa", "model": "mistralai/Mistral-7B-v0.1", "method": "LoRA-FA (lora + LoRA-FA optimizer)",
+             "peft_config": {"peft_type": "LORA"}, "primary_memory": measured["primary_memory"]}
     path = tmp_path / "runs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (measured, oom, other)) + "\n")
     assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0
@@ -34,8 +34,8 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
     assert rows["q7#nvidia-smi"]["predicted"] > rows["q7"]["predicted"]
     # the 70B QLoRA run that ran out of memory on 80 GB is predicted not to fit
     assert rows["q70"]["status"] == "oom" and rows["q70"]["fits"] is False and rows["q70"]["verdict_ok"]
-    assert out["skipped"] == [{"id": "ia3", "group": "g",
-                               "why": "PEFT method IA3 is not a memfit method (full, lora, qlora, meft, dora)"}]
+    assert out["skipped"] == [{"id": "lorafa", "group": "g",
+                               "why": "the LoRA-FA optimizer is not a memfit method (full, lora, qlora, meft, dora, peft)"}]
     assert out["overall"]["rows"] == 2 and out["overall"]["compared"] == 2
     assert out["kinds"]["qlora, 1 GPU"]["figures"] == 2
     assert out["overall"]["oom_called_fitting"] == [] and out["overall"]["ran_called_not_fitting"] == []

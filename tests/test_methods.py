@@ -15,12 +15,12 @@ from memfit.plan.space import make_strategy
 
 
 def test_registry_lists_every_method_once():
-    assert list(METHODS) == ["full", "lora", "qlora", "meft", "dora"]
+    assert list(METHODS) == ["full", "lora", "qlora", "meft", "dora", "peft"]
     assert {m.family for m in METHODS.values()} == {"full", "lora", "qlora", "meft"}
     assert "dora" not in PLANNED and set(PLANNED) == {"full", "lora", "qlora", "meft"}
     assert Strategy(method="dora").trains_adapter and not Strategy(method="full").trains_adapter
     with pytest.raises(ConfigError, match=r"method \(--method\): got 'bogus'; should be 'full', 'lora', "
-                                          r"'qlora', 'meft' or 'dora'"):
+                                          r"'qlora', 'meft', 'dora' or 'peft'"):
         make_strategy(method="bogus")
 
 

@@ -12,9 +12,10 @@ from memfit.methods.dora import METHOD as _dora
 from memfit.methods.full import METHOD as _full
 from memfit.methods.lora import METHOD as _lora
 from memfit.methods.meft import METHOD as _meft
+from memfit.methods.peft import METHOD as _peft
 from memfit.methods.qlora import METHOD as _qlora
 
-METHODS: dict[str, Method] = {m.name: m for m in (_full, _lora, _qlora, _meft, _dora)}
+METHODS: dict[str, Method] = {m.name: m for m in (_full, _lora, _qlora, _meft, _dora, _peft)}
 NAMES: tuple[str, ...] = tuple(METHODS)
 PLANNED: tuple[str, ...] = tuple(n for n, m in METHODS.items() if m.planned)
 

@@ -95,6 +95,8 @@ class ModelSpec:
     layer_parameters: int = field(default=0, compare=False)
     embedding_parameters: int = field(default=0, compare=False)
     _lora_cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    # the config.json it was read from, as JSON text (method=peft builds the model from it on the meta device)
+    config_json: str = field(default="", compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
         norm_params = self.hidden * (2 if self.norm == "layernorm" else 1)
@@ -174,7 +176,9 @@ def model_from_config(cfg: dict, name: str = "model", where: str = "config.json"
     try:
         from memfit.spec.architectures import spec_from_config  # the readers build ModelSpecs
 
-        return spec_from_config(cfg, name, where)
+        spec = spec_from_config(cfg, name, where)
+        object.__setattr__(spec, "config_json", json.dumps(cfg, sort_keys=True))
+        return spec
     except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as err:
         if isinstance(err, ConfigError):
             raise

@@ -2,8 +2,9 @@
 
 ``memfit plan --emit`` writes it, ``memfit train`` and ``memfit measure`` read it. The run file is YAML
 with these sections; unknown keys are errors. Two convenience sections map onto strategy keys:
-``lora: {r, alpha, dropout, targets}`` → ``strategy.lora_*`` and
-``meft: {neurons, top_k, experts, n_probe}`` → ``strategy.meft_*`` (so ``--set lora.r=32`` works too).
+``lora: {r, alpha, dropout, targets, rslora, modules_to_save, rank_pattern, alpha_pattern}`` → ``strategy.lora_*`` and
+``meft: {neurons, top_k, experts, n_probe}`` → ``strategy.meft_*`` (so ``--set lora.r=32`` works too);
+``peft_config: {peft_type: IA3, ...}`` (or an adapter_config.json path) → ``strategy.peft_config``, method peft.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class RunSpec(BaseModel):
 
 
 _SECTION_ALIASES = {
-    "lora": {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "lora_targets"},
+    "lora": {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "lora_targets",
+             "rslora": "lora_rslora", "modules_to_save": "lora_modules_to_save", "rank_pattern": "lora_rank_pattern",
+             "alpha_pattern": "lora_alpha_pattern"},
     "meft": {"neurons": "meft_neurons", "top_k": "meft_top_k", "experts": "meft_experts", "n_probe": "meft_n_probe"},
 }
 _TOP_LEVEL_SHORTCUTS = {"max_steps": "training.max_steps", "seed": "training.seed",
@@ -103,6 +106,10 @@ def _fold_aliases(raw: dict[str, Any]) -> dict[str, Any]:
                     f"run file: unknown key '{section}.{key}'; allowed: {', '.join(sorted(keys))}"
                 )
             strategy[keys[key]] = value
+    if "peft_config" in raw:  # the run file's peft_config: block (a mapping or an adapter_config.json path)
+        strategy["peft_config"] = raw.pop("peft_config")
+        if "method" not in (raw.get("strategy") or {}) and "method" not in raw:
+            strategy["method"] = "peft"
     for short, dotted in _TOP_LEVEL_SHORTCUTS.items():
         if short in raw:
             section, key = dotted.split(".")
@@ -144,7 +151,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node[part] = dict(child)
             node = node[part]
         node[parts[-1]] = _parse_value(text)
-    return raw
+    return _fold_aliases(raw) if "peft_config" in raw else raw  # --set peft_config=PATH_OR_MAPPING
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
@@ -229,10 +236,17 @@ def load_run(path: str | Path, overrides: list[str] = ()) -> RunSpec:
 
 def dump_run(run: RunSpec) -> str:
     """The run file text for ``run`` (round-trips through ``load_run``)."""
+    import json
+
     import yaml
 
     data = run.model_dump(mode="json")
     data["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
+    for key in ("lora_modules_to_save", "lora_rank_pattern", "lora_alpha_pattern"):  # as the run file writes them
+        value = getattr(run.strategy, key)
+        data["strategy"][key] = dict(value) if key.endswith("pattern") else list(value)
+    if run.strategy.peft_config is not None:  # the PEFT config as a mapping, as it was written
+        data["strategy"]["peft_config"] = json.loads(run.strategy.peft_config)
     return yaml.safe_dump(data, sort_keys=False)
 
 

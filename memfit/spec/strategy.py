@@ -6,11 +6,12 @@ The keys are the contract of ``memfit estimate --json``'s ``strategy`` object an
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memfit.methods import METHODS as _METHODS
+from memfit.methods.peft.config import canonical as _peft_canonical
 Attention = Literal["eager", "sdpa", "fa2"]
 Fsdp = Union[Literal[False], Literal["full_shard", "shard_grad_op"]]
 FsdpVersion = Literal[1, 2]
@@ -68,6 +69,11 @@ class Strategy(BaseModel):
     lora_alpha: int = Field(32, ge=1)
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_rslora: bool = Field(False, description="rank-stabilised LoRA: scale by alpha/sqrt(r) (PEFT use_rslora)")
+    lora_modules_to_save: tuple[str, ...] = Field((), description="modules trained whole beside the adapters "
+                                                  "(PEFT modules_to_save), e.g. embed_tokens, lm_head")
+    lora_rank_pattern: tuple[tuple[str, int], ...] = Field((), description="per-module ranks (PEFT rank_pattern)")
+    lora_alpha_pattern: tuple[tuple[str, int], ...] = Field((), description="per-module alphas (PEFT alpha_pattern)")
     # QLoRA base-model quantisation (NF4)
     quant_storage: QuantStorage = "uint8"
     double_quant: bool = True
@@ -76,6 +82,9 @@ class Strategy(BaseModel):
     meft_top_k: int = Field(64, ge=1)
     meft_experts: Union[int, Literal["auto"]] = "auto"
     meft_n_probe: int = Field(8, ge=1)
+    # method=peft: the PEFT config (adapter_config.json's keys) as canonical JSON text; the run file's
+    # ``peft_config:`` block (a mapping, or the path of an adapter_config.json) folds into it
+    peft_config: Optional[str] = None
 
     @field_validator("method")
     @classmethod
@@ -84,6 +93,28 @@ class Strategy(BaseModel):
             names = [repr(m) for m in _METHODS]
             raise ValueError(", ".join(names[:-1]) + " or " + names[-1])
         return value
+
+    @field_validator("lora_targets", "lora_modules_to_save", mode="before")
+    @classmethod
+    def _one_name(cls, value):
+        return (value,) if isinstance(value, str) else value  # lora.targets: all-linear
+
+    @field_validator("lora_rank_pattern", "lora_alpha_pattern", mode="before")
+    @classmethod
+    def _pattern_pairs(cls, value):
+        # a mapping {module name or regex: value} as PEFT takes it; kept as sorted pairs (hashable)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{k}: {v!r} is not a positive integer; give {{module name: rank}}, "
+                                     "e.g. {q_proj: 32}")
+            return tuple(sorted((str(k), int(v)) for k, v in value.items()))
+        return value
+
+    @field_validator("peft_config", mode="before")
+    @classmethod
+    def _peft_config_text(cls, value):
+        return None if value is None else _peft_canonical(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +144,9 @@ class Strategy(BaseModel):
             )
         if self.meft_experts != "auto" and self.meft_experts < 1:
             raise ValueError("meft_experts must be 'auto' or a positive integer")
+        if (self.method == "peft") != (self.peft_config is not None):
+            raise ValueError("method=peft reads a peft_config (a mapping of PEFT config keys, or the path of an "
+                             "adapter_config.json) and no other method does: set both or neither")
         return self
 
     @property

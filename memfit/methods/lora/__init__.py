@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from memfit.errors import ConfigError
@@ -37,6 +38,39 @@ def intermediate_bytes(model: Any, numbers: Any, s: int, b: int, e: float, targe
     return per_layer * layers
 
 
+def pattern_value(pattern: tuple, leaf: str, default: int) -> int:
+    """PEFT's rank_pattern / alpha_pattern for a linear named ``leaf``: a key matches as PEFT matches it
+    (peft/tuners/tuners_utils.py get_pattern_key: the key, a regex, against the module name's end); the
+    estimator reads it per leaf name, so a key naming one layer (``layers.0.q_proj``) counts for all."""
+    for key, value in pattern:
+        last = key.rsplit(".", 1)[-1]
+        try:
+            if re.fullmatch(last, leaf):
+                return value
+        except re.error:
+            if last == leaf:
+                return value
+    return default
+
+
+SAVED_MODULES = {"embed_tokens": "embedding", "wte": "embedding", "word_embeddings": "embedding",
+                 "lm_head": "head", "embed_out": "head"}
+
+
+def modules_to_save_parameters(model: Any, names: tuple) -> tuple[int, bool]:
+    """(parameters of PEFT's trainable copies for ``modules_to_save``, whether the head is among them).
+    PEFT's ModulesToSaveWrapper (peft/utils/other.py) deep-copies each module and trains the copy; the
+    original stays frozen. A tied head gets its own copy (vocab x hidden) like an untied one."""
+    total, head = 0, False
+    for name in names:
+        kind = SAVED_MODULES.get(name.rsplit(".", 1)[-1])
+        if kind is None:
+            continue
+        total += model.vocab * model.hidden
+        head = head or kind == "head"
+    return total, head
+
+
 class Lora(Method):
     name = family = "lora"
     fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
@@ -56,9 +90,27 @@ class Lora(Method):
         """(frozen base bytes, quantisation state bytes, fp32 residual stream): 16-bit weights (QLoRA overrides)."""
         return float(model.parameters) * half, 0.0, False
 
+    def adapter_parameters(self, model: Any, strategy: Any, targets: Any) -> int:
+        """r x (in + out) per adapted linear over the layers, each at its rank_pattern rank; + the trainable
+        copies of modules_to_save."""
+        if not strategy.lora_rank_pattern and not strategy.lora_modules_to_save:
+            return model.lora_parameters(targets, strategy.lora_r)
+        per_layer = sum(lin.count * pattern_value(strategy.lora_rank_pattern, lin.short, strategy.lora_r)
+                        * (lin.in_features + lin.out_features) for lin in model.lora_linears(targets))
+        return model.layers * per_layer + modules_to_save_parameters(model, strategy.lora_modules_to_save)[0]
+
+    def mean_rank(self, model: Any, strategy: Any, targets: Any) -> float:
+        """The rank of the adapters' intermediates, averaged over the adapted linears (rank_pattern)."""
+        if not strategy.lora_rank_pattern:
+            return strategy.lora_r
+        lins = model.lora_linears(targets)
+        total = sum(lin.count * lin.active for lin in lins)
+        return sum(lin.count * lin.active * pattern_value(strategy.lora_rank_pattern, lin.short, strategy.lora_r)
+                   for lin in lins) / total if total else strategy.lora_r
+
     def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
         targets = self.counted_targets(strategy, numbers)
-        trainable = float(model.lora_parameters(targets, strategy.lora_r)
+        trainable = float(self.adapter_parameters(model, strategy, targets)
                           + self.extra_trainable_parameters(model, targets))
         adapted = numbers.lora_sums(targets)[2] if trainable else frozenset()
         frozen_bytes, quant_state, fp32_stream = self.frozen(model, strategy, profile, numbers, half)
@@ -71,8 +123,11 @@ class Lora(Method):
             return NO_ADAPTER
         st, tokens, gc = strategy, strategy.micro_batch_size * strategy.seq_len, strategy.gradient_checkpointing
         b, s = st.micro_batch_size, st.seq_len
-        saved = intermediate_bytes(model, numbers, s, b, compute_bytes, params.targets, st.lora_r, st.lora_dropout,
+        saved = intermediate_bytes(model, numbers, s, b, compute_bytes, params.targets,
+                                   self.mean_rank(model, st, params.targets), st.lora_dropout,
                                    gc, profile, cast_copy=cast_bytes, mask_bytes=mask_bytes)
+        if modules_to_save_parameters(model, st.lora_modules_to_save)[1]:  # a trained head keeps its input
+            saved += float(b) * s * model.hidden * compute_bytes
         if st.lora_dropout > 0 and not gc:  # layer 0: dropout on an input that needs no gradient keeps
             # no mask (checkpointing makes the embeddings' output require grad: then it does)
             saved -= float(b) * s * mask_bytes * numbers.adapted_linears(params.adapted)[2]
@@ -82,6 +137,10 @@ class Lora(Method):
         return AdapterMemory(intermediates=saved)
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
+        unknown = [m for m in strategy.lora_modules_to_save if m.rsplit(".", 1)[-1] not in SAVED_MODULES]
+        if unknown:
+            return [f"lora.modules_to_save {unknown[0]!r}: memfit counts the embeddings and the head "
+                    f"({', '.join(sorted(SAVED_MODULES))}); for other modules use method=peft with a peft_config"]
         names = model.linear_names()
         if not names or matched_linears(names, strategy.lora_targets):
             return []
@@ -97,7 +156,11 @@ class Lora(Method):
             raise ConfigError(f"strategy.lora_targets {list(strategy.lora_targets)}: none is a linear layer of "
                               f"this model; it has {sorted(linear_names)} (or use lora.targets=[all-linear])")
         return LoraConfig(r=strategy.lora_r, lora_alpha=strategy.lora_alpha, lora_dropout=strategy.lora_dropout,
-                          target_modules=targets, bias="none", task_type="CAUSAL_LM", use_dora=self.use_dora)
+                          target_modules=targets, bias="none", task_type="CAUSAL_LM", use_dora=self.use_dora,
+                          use_rslora=strategy.lora_rslora,
+                          modules_to_save=list(strategy.lora_modules_to_save) or None,
+                          rank_pattern=dict(strategy.lora_rank_pattern),
+                          alpha_pattern=dict(strategy.lora_alpha_pattern))
 
     def prepare_base(self, model: Any, run: Any, engine: Any) -> Any:
         """Before wrapping: gradient checkpointing (QLoRA: k-bit preparation)."""
