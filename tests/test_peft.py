@@ -229,3 +229,28 @@ def test_set_peft_config_on_the_command_line(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(LOHA))
     run = run_from_dict({"model": "llama-3.2-3b", "peft_config": IA3}, [f"peft_config={tmp_path}"])
     assert run.strategy.method == "peft" and json.loads(run.strategy.peft_config)["peft_type"] == "LOHA"
+
+
+def test_cli_estimate_takes_a_peft_config(tmp_path):
+    """`memfit estimate --peft-config DIR` implies method=peft and prints PEFT's own count."""
+    pytest.importorskip("peft")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(IA3))
+    env = {"PYTHONPATH": ".", "MEMFIT_HWCAL": "off", "MEMFIT_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-m", "memfit", "estimate", "--model", "llama-3.2-3b", "--gpus",
+                          "1xL40S-48GB", "--peft-config", str(tmp_path), "--json"], capture_output=True, text=True,
+                         env=env, check=True)
+    out = json.loads(res.stdout)
+    assert out["strategy"]["method"] == "peft" and out["model"]["trainable_parameters"] == 286720
+
+
+def test_missing_peft_is_one_line(tmp_path):
+    """Without torch / peft installed, method=peft says what to install, on one line."""
+    code = ("import sys; sys.modules['peft'] = None; from memfit.estimate import estimate; "
+            "from memfit.spec.model import resolve_model; from memfit.spec.hardware import parse_hardware; "
+            "from memfit.spec.strategy import Strategy; from memfit.errors import ConfigError\n"
+            "try:\n    estimate(resolve_model('llama-3.2-3b'), parse_hardware('1xL40S-48GB'), "
+            "Strategy(method='peft', peft_config={'peft_type': 'IA3'}))\n"
+            "except ConfigError as err:\n    print(err)")
+    env = {"PYTHONPATH": ".", "MEMFIT_HWCAL": "off", "MEMFIT_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.count("\n") == 1 and "peft is missing" in out and "pip install 'memfit[train]'" in out

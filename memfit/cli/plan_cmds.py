@@ -62,6 +62,9 @@ def _strategy_options() -> dict[str, Any]:
                                   rich_help_panel=S),
         double_quant=typer.Option(None, "--double-quant/--no-double-quant", help="QLoRA double quantisation.",
                                   rich_help_panel=S),
+        peft_config=typer.Option(None, "--peft-config", help="Any PEFT method: an adapter_config.json (or its "
+                                 "folder); implies --method peft (PEFT counts the adapter; needs the train extra).",
+                                 rich_help_panel=S),
         loss=typer.Option(None, "--loss", help="standard | chunked (output projection + cross-entropy over "
                           "token chunks, recomputed in backward: no full [tokens, vocab] logits).",
                           rich_help_panel=S),
@@ -85,6 +88,8 @@ def _fixed_keys(**flags: Any) -> dict[str, Any]:
             if not value:
                 raise ConfigError("--lora-targets: give comma-separated module names, e.g. q_proj,v_proj")
         keys[key] = value
+    if "peft_config" in keys:  # a PEFT config is read by method=peft only
+        keys.setdefault("method", "peft")
     return keys
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,8 @@ def count(model_config: dict, peft_config: dict) -> dict:
         hf = AutoConfig.for_model(kind, **mcfg)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"model config: transformers cannot read model_type {kind!r} ({err})") from None
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes about the model they build here
         base = AutoModelForCausalLM.from_config(hf)
         before = {id(t) for t in (*base.parameters(), *base.buffers())}
         try:
