@@ -37,6 +37,7 @@ LAYERS = {
     "distributed": 6,
     "train": 7,
     "measure": 8,
+    "ui": 8.5,
     "cli": 9,
 }
 

@@ -35,9 +35,9 @@ def version() -> None:
 
 def _register_commands() -> None:
     # Each module adds its commands; they import heavy libraries (torch) only inside the commands.
-    from memfit.cli import launch_cmds, measure_cmds, plan_cmds, report_cmds, train_cmds
+    from memfit.cli import launch_cmds, measure_cmds, plan_cmds, report_cmds, train_cmds, ui_cmds
 
-    for module in (plan_cmds, train_cmds, launch_cmds, measure_cmds, report_cmds):
+    for module in (plan_cmds, train_cmds, launch_cmds, measure_cmds, report_cmds, ui_cmds):
         module.register(app)
 
 
