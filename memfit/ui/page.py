@@ -69,9 +69,9 @@ def _plan_outputs(gr: Any) -> list:
     from memfit.ui.charts import COLORS, LEGEND
 
     bars = gr.BarPlot(x="plan", y="GB", color="component", tooltip=["plan", "component", "GB", "note"],
-                      color_map=COLORS, x_label_angle=-15, colors_in_legend=LEGEND,
+                      color_map=COLORS, colors_in_legend=LEGEND,
                       title="Memory per GPU (GB): recommended ★ and runner-ups, up to the card's capacity",
-                      height=300, elem_id="memfit-bars")
+                      height=400, elem_id="memfit-bars")
     scatter = gr.ScatterPlot(x="GB/GPU", y="s/step", color="verdict", tooltip="all", height=360,
                              color_map={"fits": "#2a9d4b", "does not fit": "#d9534f"},
                              title="Every combination priced: step time vs memory per GPU",
