@@ -43,10 +43,11 @@ prefetch, ``sync_module_states`` + ``cpu_ram_efficient_loading``. Paths below ar
   backward, then makes the root's whole unsharded gradient (``SplitWithSizesBackward``) before the post-backward
   hook reduce-scatters it: the head's gradient through every layer's backward, and at the very end head +
   embedding gradients + the root's unsharded gradient at once.
-- **CPU offload** (``CPUOffload(offload_params=True)``; ``_flat_param.py`` ``_init_shard_metadata``,
-  ``_runtime_utils.py`` ``_post_backward_hook``: ``_cpu_grad``): the flat parameter shards, a pinned gradient
-  shard per flat parameter that requires grad and the optimizer states live in host memory (the CPU lines);
-  the device keeps the gathered units and the shard-sized copy above.
+- **CPU offload** (``CPUOffload(offload_params=True)``; ``_flat_param.py`` ``FlatParamHandle.shard``,
+  ``_runtime_utils.py`` ``_post_backward_hook``: ``_cpu_grad``): every unit's shard is pinned and a pinned
+  gradient buffer of the same size is allocated beside it — frozen units included — each rounded up to a
+  power of two by the pinned allocator (memfit.estimate.pinned); the optimizer states live in host memory too
+  (the CPU lines); the device keeps the gathered units and the shard-sized copy above.
 - **Rank 0's full CPU copy** (``_init_utils.py`` ``_sync_module_params_and_buffers``; transformers reads
   ``FSDP_CPU_RAM_EFFICIENT_LOADING`` and builds the other ranks on the meta device): one full copy per node at
   the load dtype, in host.py.

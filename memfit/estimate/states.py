@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from memfit.estimate import fsdp as F
 from memfit.estimate import fsdp1 as F1
+from memfit.estimate import pinned as P
 from memfit.estimate.setup import Setup
 from memfit.methods.base import Parameters
 
@@ -58,6 +59,10 @@ def model_states(run: Setup, params: Parameters) -> States:
     if run.offload_params:  # the quantisation state stays on the GPU (a buffer, not a flat parameter)
         cpu_params = (weights_all - quant_state) / n
         weights = quant_state
+        if run.family == "fsdp" and not run.gpu.is_cpu:  # pinned blocks, as the allocator rounds them
+            root_b = F1.root_parameters(run.model) * (run.weight_b if run.method.trains_base else run.value_b)
+            cpu_params, cpu_grads = P.fsdp_offload(run, max(weights_all - quant_state - root_b, 0.0), root_b,
+                                                   trainable * 4.0)
     weights += run.method.working_weight_bytes(run.numbers)  # QLoRA: a dequantised linear, whatever the offload
     return States(weights, grads, optim, cpu_optim, cpu_grads, cpu_params, autocast_copy, weights_all, compute_all)
 

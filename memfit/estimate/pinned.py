@@ -1,0 +1,61 @@
+"""FSDP's CPU offload in host memory: the pinned blocks it allocates per rank (both versions), at the sizes
+torch's pinned-memory allocator actually hands out. Paths under ``site-packages/torch/`` at the pinned 2.13.
+
+- **The allocator rounds every pinned block up to a power of two**: ``ATen/core/CachingHostAllocator.h``
+  ``allocate``: "Round up the allocation to the nearest power of two to improve reuse" whenever the size is
+  at most ``pinned_max_round_threshold`` and ``pinned_max_cached_size`` — both unlimited by default
+  (``c10/core/AllocatorConfig.h``). ``Tensor.pin_memory()`` and non-blocking device-to-host copies allocate
+  through it. A 214 MB shard takes 256 MB; a 143 MB one 256 MB too.
+- **FSDP1** (``distributed/fsdp/_flat_param.py`` ``FlatParamHandle.shard``, ``_offload_params``): every
+  unit's sharded FlatParameter is pinned (``_local_shard.pin_memory()``) and a pinned gradient shard of the
+  same size and dtype is pre-allocated beside it (``_cpu_grad = zeros_like(...).pin_memory()``) — for every
+  unit, frozen ones included (QLoRA's NF4 layers get a gradient buffer they never use). One block each per
+  decoder layer and the root unit (embeddings, final norm, head).
+- **FSDP2** (``distributed/fsdp/_fully_shard/_fsdp_param.py`` ``_init_sharded_param``): every parameter's
+  padded shard is pinned on its own (``CPUOffloadPolicy.pin_memory=True``, the default); the reduce-scattered
+  gradient of a trained parameter is copied to the host non-blocking (``_fsdp_collectives.py``), a pinned
+  block per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.estimate import fsdp1 as F1
+
+
+def pinned_block(nbytes: float) -> float:
+    """Bytes the pinned-memory allocator hands out for a request of ``nbytes`` (the next power of two)."""
+    return 0.0 if nbytes <= 0 else 2.0 ** math.ceil(math.log2(nbytes))
+
+
+def _root_parts(model) -> list[float]:
+    """The root's parameters one by one: embedding, head (when untied), final norm."""
+    norm = model.hidden * (2 if model.norm == "layernorm" else 1)
+    head = model.head_parameters
+    return [p for p in (model.embedding_parameters, head, norm) if p]
+
+
+def fsdp_offload(run, layers_bytes: float, root_bytes: float, trained_bytes: float) -> tuple[float, float]:
+    """(pinned parameter shards, pinned gradient shards) per rank under FSDP's CPU offload. ``layers_bytes``:
+    the decoder layers' stored bytes (all ranks), ``root_bytes`` the root's, ``trained_bytes`` the trained
+    parameters' gradient bytes (all ranks)."""
+    model, n = run.model, run.world
+    if run.fsdp_version == 1:
+        layer = pinned_block(layers_bytes / model.layers / n)
+        root = pinned_block(root_bytes / n)
+        blocks = model.layers * layer + root
+        return blocks, blocks  # the shard and its _cpu_grad, every unit
+    numels = F1.layer_numels(model)
+    per_elem = layers_bytes / (model.layers * sum(numels)) if numels else 0.0
+    root_parts = _root_parts(model)
+    root_elem = root_bytes / sum(root_parts) if root_parts else 0.0
+    params = model.layers * sum(pinned_block(k * per_elem / n) for k in numels) + sum(
+        pinned_block(k * root_elem / n) for k in root_parts)
+    if run.method.trains_base:  # a pinned gradient per trained parameter
+        grad_elem = trained_bytes / (model.layers * sum(numels) + sum(root_parts))
+        grads = model.layers * sum(pinned_block(k * grad_elem / n) for k in numels) + sum(
+            pinned_block(k * grad_elem / n) for k in root_parts)
+    else:  # adapters: many small gradients, each its own block (rounded up on average by ~1.4, a small total)
+        grads = trained_bytes / n
+    return params, grads
