@@ -36,7 +36,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     model(_inputs()[rank:rank + 1]).square().sum().backward()  # each rank its half of the batch
     opt.step()
     torch.save(adapters(model)["0"].store.keys.clone(), os.path.join(out_dir, f"keys{rank}.pt"))
-    dist.destroy_process_group()
+    # memfit's end of a launched process: barrier, destroy, and free the group (the optimizer imported
+    # torch.distributed.nn after init_process_group; a bare destroy left gloo's threads running into
+    # interpreter shutdown, the SIGABRT "terminate called without an active exception" of issue 25)
+    from memfit.distributed.ranks import finish
+
+    finish()
 
 
 def test_ddp_ranks_average_cpu_grads_and_stay_identical(tmp_path):

@@ -47,8 +47,41 @@ def barrier() -> None:
 def finish() -> None:
     """The end of a launched process's work: every rank arrives, then the process group is left here,
     while the interpreter and every peer are alive (not from an atexit handler racing the other ranks'
-    exits). Nothing without a process group."""
+    exits), and really freed: see :func:`release_world_refs`. Nothing without a process group."""
     dist = _group()
     if dist is not None:
         dist.barrier()
         dist.destroy_process_group()
+        release_world_refs()
+
+
+def release_world_refs() -> None:
+    """Drop the references to a destroyed group that torch.distributed modules keep in default arguments.
+
+    ``torch.distributed.nn.functional``'s collectives (and a few classes: ZeroRedundancyOptimizer,
+    ShardedGradScaler) take ``group=group.WORLD`` as a default argument, evaluated when the module is
+    imported. Imported after ``init_process_group`` (torch.optim imports torch.distributed.nn lazily,
+    through torch._dynamo, when the first optimizer is built), each such default keeps the world group
+    alive after ``destroy_process_group``: gloo's worker and transport threads and rank 0's TCPStore
+    server live on into interpreter shutdown, where the process now and then aborts with ``terminate
+    called without an active exception`` (SIGABRT). Imported before the group, those defaults are None
+    (the default group at call time); they are set back to None here.
+    """
+    import sys
+    import types
+
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+
+    def is_group(value) -> bool:  # by the type's MRO: no isinstance hooks (deprecated torch objects warn)
+        return ProcessGroup in type(value).__mro__
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for obj in list(vars(module).values()):
+            for fn in [obj, *(vars(obj).values() if type(obj) is type else ())]:
+                if type(fn) is types.FunctionType and fn.__defaults__ and any(map(is_group, fn.__defaults__)):
+                    fn.__defaults__ = tuple(None if is_group(d) else d for d in fn.__defaults__)

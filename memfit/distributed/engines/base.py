@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memfit.distributed import config as cfgs
-from memfit.distributed.ranks import barrier, is_main_process
+from memfit.distributed.ranks import barrier, is_main_process, release_world_refs
 from memfit.errors import MemfitError
 from memfit.spec.run import RunSpec
 
@@ -61,6 +61,7 @@ def shutdown() -> None:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            release_world_refs()
     except Exception:  # noqa: BLE001 - best effort at interpreter exit
         pass
 
