@@ -53,13 +53,16 @@ def _peft_trainable(model_dir, config: dict) -> int:
     return get_peft_model(base, peft_config_object(config)).get_nb_trainable_parameters()[0]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS) + ["prompt_tuning", "fourierft", "adalora"])
+@pytest.mark.parametrize("name", sorted(CONFIGS) + ["prompt_tuning", "fourierft", "adalora", "boft", "shira"])
 def test_trainable_count_is_peft_own(micro, name):
     model_dir = micro[0]
     extra = {"prompt_tuning": {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 5},
              "fourierft": {"peft_type": "FOURIERFT", "n_frequency": 20, "target_modules": ["q_proj"]},
              "adalora": {"peft_type": "ADALORA", "init_r": 6, "target_r": 4, "total_step": 10,
-                         "target_modules": ["q_proj", "v_proj"]}}
+                         "target_modules": ["q_proj", "v_proj"]},
+             # built on the CPU with 1 and 2 layers and extrapolated (the meta device cannot run their init)
+             "boft": {"peft_type": "BOFT", "boft_block_size": 4, "target_modules": ["q_proj", "v_proj"]},
+             "shira": {"peft_type": "SHIRA", "r": 2, "target_modules": ["q_proj"]}}
     config = CONFIGS.get(name) or extra[name]
     st = Strategy(method="peft", peft_config=config, precision="fp32")
     est = estimate(resolve_model(str(model_dir)), parse_hardware("1xA100-80GB"), st)

@@ -18,7 +18,7 @@ from typing import Any
 
 from memfit.errors import ConfigError
 
-VERSION = 5  # bump when the counted fields change (old cache files are then ignored)
+VERSION = 6  # bump when the counted fields change (old cache files are then ignored)
 _MEMO: dict[str, dict] = {}
 
 
@@ -110,30 +110,96 @@ def _layer_type(module: Any) -> str:
     return f"{tuner}.{type(module).__name__}"
 
 
-def count(model_config: dict, peft_config: dict) -> dict:
-    """Build the model on the meta device, wrap it with PEFT, and count (see the module docstring)."""
-    _imports()
-    import torch
-    from peft import get_peft_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _hf_config(model_config: dict, **changes: Any) -> Any:
+    from transformers import AutoConfig
 
-    cfg = peft_config_object(peft_config)
-    mcfg = dict(model_config)
+    mcfg = {**model_config, **changes}
     kind = mcfg.pop("model_type", None)
     try:
-        hf = AutoConfig.for_model(kind, **mcfg)
+        return AutoConfig.for_model(kind, **mcfg)
     except (KeyError, ValueError) as err:
         raise ConfigError(f"model config: transformers cannot read model_type {kind!r} ({err})") from None
-    with torch.device("meta"), warnings.catch_warnings():
+
+
+def _no_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+
+        return no_init_weights()
+    except ImportError:  # another transformers: initialise (slower, same counts)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _build(hf: Any, peft_config: dict, device: str) -> tuple[Any, set, Any]:
+    """(the PEFT model, ids of the base's own tensors, the PeftConfig) built on ``device``."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cfg = peft_config_object(peft_config)
+    with torch.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes about the model they build here
-        base = AutoModelForCausalLM.from_config(hf)
+        with _no_init():  # the base's values are never read: not initialised (PEFT's own init runs)
+            base = AutoModelForCausalLM.from_config(hf)
         before = {id(t) for t in (*base.parameters(), *base.buffers())}
-        try:
-            model = get_peft_model(base, cfg)
-        except (TypeError, ValueError, RuntimeError, NotImplementedError, AttributeError) as err:
-            raise ConfigError(f"peft_config ({cfg.peft_type}): PEFT cannot build it on this model: "
+        return get_peft_model(base, cfg), before, cfg
+
+
+def count(model_config: dict, peft_config: dict) -> dict:
+    """Build the model on the meta device, wrap it with PEFT, and count (see the module docstring). A method
+    whose initialisation needs real values (BOFT's .item(), SHiRA's nonzero, FRoD's decomposition, UniLoRA's
+    bincount) is built on the CPU with one and with two decoder layers (a small vocabulary unless the
+    embeddings are adapted) and its counts extrapolated to the model's layers: each is linear in them."""
+    _imports()
+    try:
+        model, before, cfg = _build(_hf_config(model_config), peft_config, "meta")
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AttributeError) as err:
+        if "meta" not in str(err).lower():
+            raise ConfigError(f"peft_config ({peft_config.get('peft_type')}): PEFT cannot build it on this model: "
                               f"{str(err).splitlines()[0]}") from None
+        return _extrapolated(model_config, peft_config)
+    return _tally(model, before, cfg)
+
+
+def _extrapolated(model_config: dict, peft_config: dict) -> dict:
+    layers = int(model_config.get("num_hidden_layers") or 1)
+    text = json.dumps(peft_config).lower()
+    small = {} if ("embed" in text or "lm_head" in text or "wte" in text) else {"vocab_size": 256}
+    counts = []
+    for n in (1, 2):
+        try:
+            model, before, cfg = _build(_hf_config(model_config, num_hidden_layers=n, **small), peft_config, "cpu")
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, RuntimeError, NotImplementedError, AttributeError) as err:
+            raise ConfigError(f"peft_config ({peft_config.get('peft_type')}): PEFT cannot build it on this "
+                              f"model: {str(err).splitlines()[0]}") from None
+        counts.append(_tally(model, before, cfg))
+        del model
+    one, two = counts
+
+    def grow(a: float, b: float) -> int:
+        return int(a + (b - a) * (layers - 1))
+
+    out = {**two, "extrapolated": True}
+    for key in ("trainable", "outside", "frozen_added"):
+        out[key] = grow(one[key], two[key])
+    out["all"] = out["trainable"] + (two["all"] - two["trainable"])  # not used by the estimator
+    first = {(w["type"], w["module"]): w for w in one["wrapped"]}
+    out["wrapped"] = [{**w, "count": grow(first[k]["count"], w["count"]),
+                       "params": grow(first[k]["params"], w["params"])}
+                      for w in two["wrapped"] for k in [(w["type"], w["module"])] if k in first]
+    return out
+
+
+def _tally(model: Any, before: set, cfg: Any) -> dict:
+    """The counts of a built PEFT model (see the module docstring)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     trainable, total = model.get_nb_trainable_parameters()
     # what the adapter adds beyond its trained parameters: frozen parameters and floating buffers (VeRA's
     # projections, OSF's SVD factors of the base weights), as elements (on the meta device every float is

@@ -75,6 +75,25 @@ def _osf(w, cfg, a, e, x):
     return x * w["in"] + a * two_r, 2.0 * a * w["params"] / max(1, w["count"])
 
 
+def _boft(w, cfg, a, e, x):
+    # boft/layer.py:604-640: the rotation is built in the input's dtype: `butterfly @ eye` keeps the in x in
+    # identity, `x @ boft_rotation` keeps the input and the in x in rotation, `result * boft_scale` the output
+    return e * (w["in"] + w["out"]), 2.0 * e * w["in"] * w["in"]
+
+
+def _shira(w, cfg, a, e, x):
+    # shira/layer.py:239-257: a dense out x in weight in the output's dtype (zeros + the sparse delta, or the
+    # base weight + it) applied by F.linear, which keeps it and the input
+    return e * w["in"], e * w["in"] * w["out"]
+
+
+def _unilora(w, cfg, a, e, x):
+    # unilora/layer.py:246-250: A, B gathered from the shared vector (fp32, r x in and out x r) kept with the
+    # cast input and the rank-r product by F.linear(F.linear(x, A), B)
+    r = int(cfg["r"])
+    return x * w["in"] + a * r, a * r * (w["in"] + w["out"])
+
+
 RULES: dict[str, Callable] = {
     "ia3.Linear": _ia3,
     "vera.Linear": _vera, "pvera.Linear": _vera,
@@ -91,6 +110,9 @@ RULES: dict[str, Callable] = {
     "road.Linear": _road,
     "tinylora.Linear": _tinylora,
     "osf.Linear": _osf,
+    "boft.Linear": _boft,
+    "shira.Linear": _shira,
+    "unilora.Linear": _unilora,
 }
 
 
