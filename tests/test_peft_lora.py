@@ -107,3 +107,20 @@ def test_train_with_the_options_saves_an_adapter_peft_loads(micro):
         plain = base(ids).logits
         adapted = PeftModel.from_pretrained(base, str(out / "adapter"))(ids).logits
     assert not torch.allclose(plain, adapted)
+
+
+def test_cli_flags_reach_estimate_and_plan():
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": ".", "MEMFIT_HWCAL": "off", "PATH": "/usr/bin:/bin"}
+    args = ["--model", "llama-3.2-3b", "--gpus", "1xL40S-48GB", "--lora-rank-pattern", "q_proj=64",
+            "--lora-modules-to-save", "lm_head", "--lora-rslora", "--json"]
+    out = json.loads(subprocess.run([sys.executable, "-m", "memfit", "estimate", *args], capture_output=True,
+                                    text=True, env=env, check=True).stdout)
+    st = out["strategy"]
+    assert st["lora_rank_pattern"] == {"q_proj": 64} and st["lora_modules_to_save"] == ["lm_head"] and st["lora_rslora"]
+    res = subprocess.run([sys.executable, "-m", "memfit", "plan", "--model", "llama-3.2-3b", "--gpus", "1xL40S-48GB",
+                          "--lora-rank-pattern", "q_proj=big", "--seq-len", "512"], capture_output=True, text=True,
+                         env=env)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "q_proj=64,down_proj=8" in res.stderr

@@ -62,6 +62,14 @@ def _strategy_options() -> dict[str, Any]:
                                   rich_help_panel=S),
         double_quant=typer.Option(None, "--double-quant/--no-double-quant", help="QLoRA double quantisation.",
                                   rich_help_panel=S),
+        lora_rslora=typer.Option(None, "--lora-rslora/--no-lora-rslora", help="rsLoRA scaling alpha/sqrt(r).",
+                                 rich_help_panel=S),
+        lora_modules_to_save=typer.Option(None, "--lora-modules-to-save", help="Modules trained whole beside "
+                                          "LoRA, e.g. embed_tokens,lm_head.", rich_help_panel=S),
+        lora_rank_pattern=typer.Option(None, "--lora-rank-pattern", help="Per-module ranks, e.g. q_proj=64,"
+                                       "down_proj=8.", rich_help_panel=S),
+        lora_alpha_pattern=typer.Option(None, "--lora-alpha-pattern", help="Per-module alphas, e.g. q_proj=128.",
+                                        rich_help_panel=S),
         peft_config=typer.Option(None, "--peft-config", help="Any PEFT method: an adapter_config.json (or its "
                                  "folder); implies --method peft (PEFT counts the adapter; needs the train extra).",
                                  rich_help_panel=S),
@@ -83,14 +91,29 @@ def _fixed_keys(**flags: Any) -> dict[str, Any]:
             value = False if str(value).lower() in ("false", "no", "0", "none", "off") else value
         if key == "meft_experts" and str(value).isdigit():
             value = int(value)
-        if key == "lora_targets":
+        if key in ("lora_targets", "lora_modules_to_save"):
             value = tuple(t.strip() for t in value.split(",") if t.strip())
             if not value:
-                raise ConfigError("--lora-targets: give comma-separated module names, e.g. q_proj,v_proj")
+                raise ConfigError(f"--{key.replace('_', '-')}: give comma-separated module names, e.g. q_proj,v_proj")
+        if key in ("lora_rank_pattern", "lora_alpha_pattern"):
+            value = _pattern(value, f"--{key.replace('_', '-')}")
         keys[key] = value
     if "peft_config" in keys:  # a PEFT config is read by method=peft only
         keys.setdefault("method", "peft")
     return keys
+
+
+def _pattern(text: str, flag: str) -> dict[str, int]:
+    """``q_proj=64,down_proj=8`` -> {'q_proj': 64, 'down_proj': 8}."""
+    out = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, value = item.partition("=")
+        if not name or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"{flag} {text!r}: give module=positive integer pairs, e.g. q_proj=64,down_proj=8")
+        out[name.strip()] = int(value)
+    if not out:
+        raise ConfigError(f"{flag}: give at least one module=value pair, e.g. q_proj=64")
+    return out
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
@@ -324,7 +347,8 @@ def _with_strategy_flags(fn: Any) -> Any:
 
     sig = inspect.signature(fn, eval_str=True)
     kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
-             "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool}
+             "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool,
+             "lora_rslora": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from memfit.methods import METHODS as _METHODS
 from memfit.methods.peft.config import canonical as _peft_canonical
@@ -110,6 +110,10 @@ class Strategy(BaseModel):
                                      "e.g. {q_proj: 32}")
             return tuple(sorted((str(k), int(v)) for k, v in value.items()))
         return value
+
+    @field_serializer("lora_rank_pattern", "lora_alpha_pattern")
+    def _pattern_mapping(self, value):
+        return dict(value)  # written as PEFT writes it: {module: value}
 
     @field_validator("peft_config", mode="before")
     @classmethod
