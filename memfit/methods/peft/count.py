@@ -4,7 +4,8 @@ imported here, inside functions; nothing is allocated): trainable parameters exa
 
 Only ``method=peft`` asks for this, and only when a ``peft_config`` is given: the plain planner never
 imports torch. Each count is cached in memory and on disk (``$MEMFIT_CACHE/peft-counts/<key>.json``), keyed
-by the model's config.json and the PEFT config, so a second ``memfit plan`` reads a small JSON file.
+by the model's config.json, the PEFT config and the installed peft / transformers versions, so a second
+``memfit plan`` reads a small JSON file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,23 @@ def cache_dir() -> Path:
     return Path(root) / "peft-counts"
 
 
+@lru_cache(maxsize=1)
+def _versions() -> str:
+    """The installed peft / transformers versions (package metadata: no import), part of the cache key."""
+    from importlib import metadata
+
+    out = []
+    for name in ("peft", "transformers"):
+        try:
+            out.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name}=none")
+    return ",".join(out)
+
+
 def cache_key(model_config: str, peft_config: str) -> str:
-    return hashlib.sha256(f"{VERSION}\n{model_config}\n{peft_config}".encode()).hexdigest()[:24]
+    text = f"{VERSION}\n{_versions()}\n{model_config}\n{peft_config}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def counted(model_config: str, peft_config: str) -> dict:
