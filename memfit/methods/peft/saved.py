@@ -101,7 +101,9 @@ RULES: dict[str, Callable] = {
     "lokr.Linear": _input_delta,            # lokr/layer.py:336-342: make_kron(w1, w2) -> F.linear(x, delta)
     "fourierft.FourierFTLinear": _input_delta,  # fourierft/layer.py:186-188: ifft2 delta_w, F.linear(x, delta_w)
     "hira.Linear": _input_delta,            # hira/layer.py:263-267: F.linear(x, W * (B@A).T)
-    "waveft.WaveFTLinear": _input_two_weights,  # waveft/layer.py:284-286 + waverec2d's weight-sized output
+    "waveft.WaveFTLinear": _input_two_weights,  # waveft/layer.py:284-286; waverec2d.py:291-292 stacks the
+                                                # sub-bands into one weight-sized fp32 tensor, kept by
+                                                # conv_transpose2d (its backward saves its input)
     "peanut.Linear": _input_two_weights,    # peanut/layer.py:146-161, 227-229: W.t() in fp32 (kept by the
                                             # matmul with A) and the delta weight (kept by the matmul with x)
     "miss.MissLinear": _miss,
