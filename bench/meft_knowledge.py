@@ -1,0 +1,233 @@
+"""MEFT's claim in miniature (issue 24): more knowledge stored per device byte than LoRA?
+
+A closed-book knowledge task generated here (bench/meft_knowledge_data.py): a small Llama-shaped model
+(random init from a config, save_pretrained, safetensors) is first pre-trained through ``memfit train``
+(method full) on the facts of other entities in the same question/answer templates and on a copy task;
+then each method stores the facts of new entities, mixed with new copy examples, through memfit's own
+training path (a run file per run, read by ``memfit.spec.run.load_run`` and trained by
+``memfit.train.api.train``, the function behind ``memfit train``). Same data, steps and batch for every
+method; a small learning-rate search per method on seed 0, then seeds 1 and 2 at the chosen rate.
+Measured per run: closed-book exact-match recall of the new facts, the control task (copying strings
+never trained on), device/host bytes of trainable state (meft_knowledge_bytes.py), bytes moved per
+step (MEFT's own counters) and time per step (process CPU time, one thread; wall time beside it).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py            # the full bench (<= 15 min)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py --quick    # smoke: fewer facts/steps
+
+Writes bench/results/meft_knowledge_<date>.json (``--out``) and the plot docs/meft_knowledge.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from meft_knowledge_data import ModelSize, TaskSize  # noqa: E402
+
+K = 256  # key-value pairs per layer of the dense Parallel Adapter and of MEFT
+LORA = {"method": "lora", "lora_dropout": 0.0}
+MEFT = {"method": "meft", "meft_neurons": K, "meft_n_probe": 4}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str
+    strategy: dict
+    lrs: tuple
+
+
+METHODS = (
+    Method("lora-r2", "LoRA r=2 (all projections)", {**LORA, "lora_r": 2, "lora_alpha": 4}, (3e-3, 1e-2)),
+    Method("lora-r32", "LoRA r=32 (all projections)", {**LORA, "lora_r": 32, "lora_alpha": 64}, (1e-3, 3e-3)),
+    Method("pa-dense", f"Parallel Adapter K={K} (dense: MEFT top-k=K, 1 expert)",
+           {**MEFT, "meft_top_k": K, "meft_experts": 1}, (1e-2, 3e-2)),
+    Method("meft-k12", f"MEFT K={K}, top-k 12 (4.7 %), 16 experts", {**MEFT, "meft_top_k": 12,
+           "meft_experts": "auto"}, (1e-2, 3e-2)),
+    Method("meft-k4", f"MEFT K={K}, top-k 4 (1.6 %), 16 experts", {**MEFT, "meft_top_k": 4,
+           "meft_experts": "auto"}, (1e-2, 3e-2)),
+    Method("meft-k12-e1", f"MEFT K={K}, top-k 12 (4.7 %), 1 expert", {**MEFT, "meft_top_k": 12,
+           "meft_experts": 1}, (1e-2, 3e-2)),
+    Method("full", "full fine-tuning", {"method": "full"}, (1e-3, 3e-3)),
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    task: TaskSize = TaskSize()
+    model: ModelSize = ModelSize()
+    pretrain_steps: int = 500
+    pretrain_lr: float = 3e-3
+    steps: int = 150
+    batch: int = 32
+    seq_len: int = 16
+    seeds: tuple = (0, 1, 2)
+
+
+FULL = Setup()
+QUICK = Setup(task=TaskSize(old_entities=100, new_entities=16, copy_train=32, copy_eval=32),
+              pretrain_steps=300, steps=100, seeds=(0,))
+
+
+def run_dict(model: str, data: str, out: str, strategy: dict, steps: int, lr: float, seed: int,
+             setup: Setup) -> dict:
+    """The run file of one run (YAML-serialisable)."""
+    return {
+        "model": model, "hardware": "local",
+        "data": {"path": data, "format": "prompt_completion", "eval_fraction": 0.0},
+        "strategy": {"precision": "fp32", "micro_batch_size": setup.batch, "grad_accum": 1,
+                     "seq_len": setup.seq_len, "gradient_checkpointing": False, "attention": "sdpa",
+                     **strategy},
+        "training": {"max_steps": steps, "learning_rate": lr, "lr_scheduler": "constant_with_warmup",
+                     "warmup_steps": 10, "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": seed,
+                     "logging_interval": max(1, steps // 4), "checkpoint_interval": 0},
+        "output_dir": out,
+    }
+
+
+@dataclass
+class Job:
+    key: str
+    method: str
+    lr: float
+    seed: int
+    run: dict
+    workdir: str
+    eval_batch: int
+    dense_neurons: int = 0
+    result: dict = field(default_factory=dict)
+
+
+def work(job: Job) -> Job:
+    """Runs in a worker process: write the run file, train it through memfit, probe, score."""
+    import yaml
+
+    import torch
+
+    torch.set_num_threads(1)
+    from meft_knowledge_probe import Probe, load_task
+
+    from memfit.spec.run import load_run
+    from memfit.train.api import train
+
+    task = load_task(Path(job.workdir))
+    out = Path(job.run["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(job.run, sort_keys=False))
+    run = load_run(out.parent / f"{out.name}.yaml")
+    probe = Probe(run.strategy.method, task, job.eval_batch)
+    t0 = time.perf_counter()
+    result = train(run, callbacks=[probe], overwrite=True)
+    job.result = {**probe.summary(), "wall_s": time.perf_counter() - t0, "saved_to": result.saved_to,
+                  "first_loss": result.first_loss, "final_loss": result.final_loss}
+    if job.method != "pretrain":
+        from meft_knowledge_bytes import predicted
+
+        job.result["predicted"] = predicted(run, job.dense_neurons or None)
+    (Path(job.workdir) / "results").mkdir(exist_ok=True)  # each run's row survives an interrupted bench
+    (Path(job.workdir) / "results" / f"{job.key}.json").write_text(json.dumps(_job_row(job), default=str))
+    return job
+
+
+def run_jobs(jobs: list[Job], n: int) -> list[Job]:
+    """Jobs in ``n`` worker processes (spawned, one thread each), in order of submission."""
+    import multiprocessing as mp
+
+    if n <= 1:
+        return [work(j) for j in jobs]
+    with mp.get_context("spawn").Pool(n, maxtasksperchild=None) as pool:
+        return pool.map(work, jobs, chunksize=1)
+
+
+def prepare(workdir: Path, setup: Setup, jobs: int) -> dict:
+    """Task files, the random-init base model, and its pre-training through memfit (method full)."""
+    from meft_knowledge_data import build_model, make_task, write_jsonl
+
+    task = make_task(setup.task, seed=0)
+    (workdir / "task.json").write_text(json.dumps(task))
+    write_jsonl(task["pretrain"], workdir / "pretrain.jsonl")
+    write_jsonl(task["new_facts"] + task["copy_train"], workdir / "finetune.jsonl")
+    base = build_model(workdir / "base", setup.model, seed=0)
+    run = run_dict(str(base), str(workdir / "pretrain.jsonl"), str(workdir / "pretrain"), {"method": "full"},
+                   setup.pretrain_steps, setup.pretrain_lr, 0, setup)
+    pre = run_jobs([Job("pretrain", "pretrain", setup.pretrain_lr, 0, run, str(workdir), setup.batch)], 1)[0]
+    return pre.result
+
+
+def finetune_jobs(workdir: Path, model: str, setup: Setup, methods, lr_of=None, seeds=(0,)) -> list[Job]:
+    out = []
+    for m in methods:
+        for lr in ([lr_of[m.name]] if lr_of else m.lrs):
+            for seed in seeds:
+                key = f"{m.name}-lr{lr:g}-s{seed}"
+                run = run_dict(model, str(workdir / "finetune.jsonl"), str(workdir / "runs" / key), m.strategy,
+                               setup.steps, lr, seed, setup)
+                dense = K if m.name == "pa-dense" else 0
+                out.append(Job(key, m.name, lr, seed, run, str(workdir), setup.batch, dense))
+    return out
+
+
+def bench(setup: Setup, workdir: Path, jobs: int, methods=METHODS) -> dict:
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    pre = prepare(workdir, setup, jobs)
+    model = pre["saved_to"]
+    search = run_jobs(finetune_jobs(workdir, model, setup, methods, seeds=(setup.seeds[0],)), jobs)
+    best = {}
+    for m in methods:
+        mine = [j for j in search if j.method == m.name]
+        best[m.name] = max(mine, key=lambda j: (j.result["recall"], -j.result["final_loss"])).lr
+    rest = run_jobs(finetune_jobs(workdir, model, setup, methods, best, setup.seeds[1:]), jobs) \
+        if len(setup.seeds) > 1 else []
+    from meft_knowledge_bytes import dense_adapter_measured
+
+    m0 = setup.model
+    return {"pretrain": pre, "best_lr": best, "search": [_job_row(j) for j in search],
+            "seeds": [_job_row(j) for j in rest],
+            "dense_pa_measured": dense_adapter_measured(m0.layers, m0.hidden, K),
+            "wall_s": time.perf_counter() - t0, "load_avg_start_end": [load0, os.getloadavg()]}
+
+
+def _job_row(j: Job) -> dict:
+    return {"key": j.key, "method": j.method, "lr": j.lr, "seed": j.seed, **j.result}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke version: fewer facts and steps, one seed")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
+    ap.add_argument("--workdir", default=None, help="where models and runs go (default: a temp folder)")
+    ap.add_argument("--out", default=None, help="results JSON (default bench/results/meft_knowledge_<date>.json)")
+    ap.add_argument("--plot", default="docs/meft_knowledge.png")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import tempfile
+
+    from meft_knowledge_report import summarize, table, plot
+
+    setup = QUICK if args.quick else FULL
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meft_knowledge_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    raw = bench(setup, workdir, args.jobs)
+    labels = {m.name: m.label for m in METHODS}
+    rows = summarize(raw, labels)
+    doc = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["bench/meft_knowledge.py", *(argv or sys.argv[1:])]),
+           "setup": asdict(setup), "K": K, "rows": rows, **raw}
+    out = Path(args.out or f"bench/results/meft_knowledge_{'quick_' if args.quick else ''}{doc['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(table(rows))
+    print(f"wall {raw['wall_s']:.0f} s; results {out}")
+    if not args.quick:
+        print(f"plot {plot(rows, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The callback bench/meft_knowledge.py attaches to each memfit training run: time per step (process CPU
+time and wall), trainable-state bytes measured on the live tensors after the second optimizer step, MEFT's
+bytes moved per step (its own transfer counters), and at the end closed-book recall on the new facts and
+the control task, scored on the trained model in place."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from meft_knowledge_bytes import measured, measured_grad_bytes
+from meft_knowledge_data import build_tokenizer, recall
+
+_TASKS: dict = {}
+
+
+def load_task(workdir: Path) -> dict:
+    key = str(workdir)
+    if key not in _TASKS:
+        _TASKS[key] = json.loads((workdir / "task.json").read_text())
+    return _TASKS[key]
+
+
+class Probe(TrainerCallback):
+    def __init__(self, method: str, task: dict, eval_batch: int, measure_at: int = 2):
+        self.method, self.task, self.eval_batch, self.measure_at = method, task, eval_batch, measure_at
+        self.cpu: list = []
+        self.wall: list = []
+        self.moved: list = []
+        self.grad_bytes = 0
+        self.bytes: dict = {}
+        self.scores: dict = {}
+        self.meft: dict = {}
+        self._t = (0.0, 0.0)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._t = (time.process_time(), time.perf_counter())
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step + 1 == self.measure_at:
+            self.grad_bytes = measured_grad_bytes(model)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+        self.cpu.append(time.process_time() - self._t[0])
+        self.wall.append(time.perf_counter() - self._t[1])
+        if state.global_step == self.measure_at:
+            self.bytes = measured(model, optimizer, self.grad_bytes, self.method)
+        if self.method == "meft":
+            from memfit.meft import traffic
+
+            t = traffic(model)
+            self.moved.append(int(t["h2d"]) + int(t["d2h"]))
+
+    def on_train_end(self, args, state, control, model=None, **kw):
+        tok = build_tokenizer()
+        self.scores = {"recall": recall(model, tok, self.task["new_facts"], self.eval_batch),
+                       "control": recall(model, tok, self.task["copy_eval"], self.eval_batch),
+                       "copy_trained": recall(model, tok, self.task["copy_train"], self.eval_batch)}
+        if self.method == "meft":
+            from memfit.meft import meft_state, traffic
+
+            st = meft_state(model)
+            last = traffic(model)  # the last optimizer step's counters
+            self.meft = {k: st[k] for k in ("experts", "n_probe", "buffer_rows", "trainable_parameters",
+                                            "last_union", "last_dropped", "last_keys_scored")}
+            self.meft["step_counters"] = {k: v for k, v in last.items() if isinstance(v, (int, float))}
+
+    def summary(self) -> dict:
+        later = slice(1, None) if len(self.cpu) > 1 else slice(None)  # the first step warms up
+        return {**self.scores, "measured": self.bytes, "meft": self.meft,
+                "cpu_ms_per_step": 1e3 * statistics.median(self.cpu[later]) if self.cpu else None,
+                "wall_ms_per_step": 1e3 * statistics.median(self.wall[later]) if self.wall else None,
+                "moved_bytes_per_step": statistics.median(self.moved[later]) if self.moved else 0,
+                "steps": len(self.cpu)}

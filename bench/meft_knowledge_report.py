@@ -1,0 +1,93 @@
+"""The table and the plot of bench/meft_knowledge.py, from its raw results (one row per method: the
+seed-0 run at the chosen learning rate plus the other seeds at that rate)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def _spread(xs: list) -> tuple:
+    """(mean, half the range): the spread over seeds, stated as +- (max - min) / 2."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (max(xs) - min(xs)) / 2
+
+
+def summarize(raw: dict, labels: dict) -> list[dict]:
+    rows = []
+    for name, lr in raw["best_lr"].items():
+        runs = [r for r in raw["search"] if r["method"] == name and r["lr"] == lr]
+        runs += [r for r in raw["seeds"] if r["method"] == name]
+        first = runs[0]
+        recall, recall_pm = _spread([r["recall"] for r in runs])
+        control, control_pm = _spread([r["control"] for r in runs])
+        measured = first["measured"]
+        moved = first["moved_bytes_per_step"]
+        note = ""
+        if name == "pa-dense":  # trained as MEFT top-k=K, 1 expert (identical math); bytes of the dense module
+            note = (f"trained as MEFT top-k=K (its counters moved {moved:,.0f} B/step); bytes: a dense "
+                    "on-device PA module of the same shapes, measured")
+            measured = raw["dense_pa_measured"]
+            moved = 0
+        pred = first["predicted"]
+        rows.append({
+            "method": name, "label": labels.get(name, name), "lr": lr, "seeds": [r["seed"] for r in runs],
+            "recall": recall, "recall_pm": recall_pm, "recall_runs": [r["recall"] for r in runs],
+            "control": control, "control_pm": control_pm,
+            "trainable": pred["trainable"],
+            "device_pred": pred["device_bytes"], "device_meas": measured["device_bytes"],
+            "host_pred": pred["host_bytes"], "host_meas": measured["host_bytes"],
+            "moved_pred": pred["moved_bytes"], "moved_meas": moved,
+            "cpu_ms": statistics.median([r["cpu_ms_per_step"] for r in runs]),
+            "wall_ms": statistics.median([r["wall_ms_per_step"] for r in runs]),
+            "dropped_pairs": first["meft"].get("last_dropped"), "note": note,
+        })
+    return rows
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.3f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| method | lr | recall % (± half-range, seeds) | control % | trainable params | device MB "
+            "pred / meas | host MB pred / meas | moved MB/step pred / meas | CPU ms/step | wall ms/step |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        err = abs(r["device_meas"] - r["device_pred"]) / r["device_pred"] * 100 if r["device_pred"] else 0.0
+        lines.append(
+            f"| {r['label']} | {r['lr']:g} | {100 * r['recall']:.1f} ± {100 * r['recall_pm']:.1f} "
+            f"({len(r['seeds'])}) | {100 * r['control']:.1f} ± {100 * r['control_pm']:.1f} | "
+            f"{r['trainable']:,.0f} | {_mb(r['device_pred'])} / {_mb(r['device_meas'])} ({err:.1f} %) | "
+            f"{_mb(r['host_pred'])} / {_mb(r['host_meas'])} | {_mb(r['moved_pred'])} / {_mb(r['moved_meas'])} | "
+            f"{r['cpu_ms']:.0f} | {r['wall_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> str:
+    """Recall against measured device bytes of trainable state, one point per method (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
+    for r in rows:
+        x, y = r["device_meas"] / 1e6, 100 * r["recall"]
+        ax.errorbar([x], [y], yerr=[100 * r["recall_pm"]], fmt="o", capsize=3,
+                    color="tab:red" if r["method"].startswith("meft") else
+                    "tab:blue" if r["method"].startswith("lora") else "tab:gray")
+        ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("device-resident trainable state, MB (params + grads + Adam; measured)")
+    ax.set_ylabel("closed-book exact-match recall of new facts, %")
+    ax.set_title("bench/meft_knowledge.py: recall vs device bytes (mean, ± half-range over 3 seeds)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

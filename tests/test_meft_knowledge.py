@@ -1,0 +1,99 @@
+"""bench/meft_knowledge.py in miniature: the facts are deterministic, recall is exact match, a run through
+memfit's training path stores facts the untrained model does not know, and MEFT's device bytes match
+the estimator."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import meft_knowledge_data as D  # noqa: E402
+
+SMALL = D.TaskSize(old_entities=20, new_entities=6, copy_train=8, copy_eval=8)
+
+
+def test_facts_are_deterministic_and_disjoint():
+    a, b = D.make_task(SMALL, seed=3), D.make_task(SMALL, seed=3)
+    assert a == b
+    assert a != D.make_task(SMALL, seed=4)
+    assert len(a["new_facts"]) == 6 * len(D.RELATIONS)
+    old = {r["prompt"] for r in a["pretrain"]}
+    assert not old & {r["prompt"] for r in a["new_facts"]}  # the new facts' questions are never pre-trained
+    copies = [r["prompt"] for k in ("copy_train", "copy_eval") for r in a[k]]
+    assert len(set(copies)) == len(copies)
+    tok = D.build_tokenizer()
+    for r in a["new_facts"][:4] + a["copy_eval"][:2]:  # every word is one known token
+        ids = tok(r["prompt"] + r["completion"], add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert len(ids) == len((r["prompt"] + r["completion"]).split())
+
+
+def test_exact_match_on_a_hand_made_case():
+    import torch
+
+    targets = torch.tensor([[-100, 5, 2, -100], [-100, 7, 2, -100], [-100, -100, 9, 2]])
+    predicted = torch.tensor([[1, 5, 2, 4], [0, 7, 3, 0], [8, 8, 9, 2]])
+    assert D.exact_match(predicted, targets) == [True, False, True]  # row 2: answer right, no end-of-sequence
+
+    tok = D.build_tokenizer()
+    rec = {"prompt": "Q : what is the city of baba ? A :", "completion": " city3"}
+    ids, mask, tgt = D.encode([rec, {"prompt": "Q : repeat c a ? A :", "completion": " c a"}], tok)
+    city3, eos = tok.convert_tokens_to_ids("city3"), tok.eos_token_id
+    row = tgt[0].tolist()
+    n_prompt = 1 + len(rec["prompt"].split())  # <s> + the question's words
+    assert row[: n_prompt - 1] == [-100] * (n_prompt - 1)
+    assert row[n_prompt - 1: n_prompt + 1] == [city3, eos]  # the positions that predict the answer
+    assert ids[0, n_prompt].item() == city3 and mask[1].sum().item() == 1 + 8 + 2 + 1
+
+    class Oracle(torch.nn.Module):
+        """Predicts the next input token (so it 'knows' every answer in the batch it is given)."""
+
+        def __init__(self, vocab, wrong_row=None):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.vocab, self.wrong_row = vocab, wrong_row
+
+        def forward(self, input_ids, attention_mask=None):
+            nxt = torch.roll(input_ids, -1, dims=1)
+            if self.wrong_row is not None:
+                nxt[self.wrong_row] = 0
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, self.vocab).float()})
+
+    recs = [rec, rec]
+    assert D.recall(Oracle(len(tok)), tok, recs) == 1.0
+    assert D.recall(Oracle(len(tok), wrong_row=1), tok, recs, batch=2) == 0.5
+
+
+def test_a_run_stores_facts_and_meft_bytes_match_the_estimator(tmp_path):
+    """A tiny random Llama trained through a run file and memfit.train.api.train on 24 facts: full
+    fine-tuning stores facts the untrained model does not know; a short MEFT run's device bytes of
+    trainable state match memfit's estimator within 5 % and its counters report bytes moved."""
+    pytest.importorskip("transformers")
+    import meft_knowledge as B
+
+    task = D.make_task(D.TaskSize(old_entities=4, new_entities=6, copy_train=4, copy_eval=4), seed=0)
+    (tmp_path / "task.json").write_text(json.dumps(task))
+    D.write_jsonl(task["new_facts"], tmp_path / "finetune.jsonl")
+    base = D.build_model(tmp_path / "base", D.ModelSize(hidden=32, intermediate=64, layers=1, heads=2))
+    full = B.Method("full", "full", {"method": "full"}, (1e-2,))
+    meft = B.Method("meft", "MEFT", {**B.MEFT, "meft_neurons": 64, "meft_top_k": 8, "meft_experts": "auto",
+                                     "meft_n_probe": 4}, (1e-2,))
+    jobs = B.finetune_jobs(tmp_path, str(base), B.Setup(batch=24, steps=60), [full]) + \
+        B.finetune_jobs(tmp_path, str(base), B.Setup(batch=24, steps=4), [meft])
+    tok = D.build_tokenizer()
+    from transformers import AutoModelForCausalLM
+
+    before = D.recall(AutoModelForCausalLM.from_pretrained(str(base)), tok, task["new_facts"])
+    trained, sparse = (j.result for j in B.run_jobs(jobs, 1))
+    assert trained["steps"] == 60 and trained["recall"] >= before + 0.25, (before, trained["recall"])
+    assert sparse["moved_bytes_per_step"] > 0 and sparse["measured"]["host_bytes"] > 0
+    assert sparse["measured"]["parts"]["meft_buffers"] > 0
+    pred = sparse["predicted"]["device_bytes"]
+    assert abs(sparse["measured"]["device_bytes"] - pred) <= 0.05 * pred  # estimator vs measured, MEFT
+    assert (tmp_path / "results" / f"{jobs[1].key}.json").is_file()
