@@ -17,6 +17,7 @@ def launch_command(
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Free TCP port on node 0 (default: distributed.master_port)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="KEY=VALUE override (repeatable)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
+    single_host: bool = typer.Option(False, "--single-host", help="Every node rank runs on this machine (test a multi-node config on one host; allows --master-addr 127.0.0.1)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and the engine config; start nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: print JSON."),
 ) -> None:
@@ -31,7 +32,7 @@ def launch_command(
                   node_rank=d.node_rank if node_rank is None else node_rank,
                   master_addr=d.master_addr if master_addr is None else master_addr,
                   master_port=d.master_port if master_port is None else master_port)
-    cmd = build(run_file, overrides=overrides, resume=resume, **layout)
+    cmd = build(run_file, overrides=overrides, resume=resume, single_host=single_host, **layout)
     run = load_run(run_file, [*overrides, *layout_overrides(**layout)])
     if dry_run:
         _show_plan(run, cmd, as_json)
@@ -46,7 +47,18 @@ def launch_command(
                           f"{layout['nodes']}, {layout['nproc']} process(es) here, world size "
                           f"{world_size(run)}, rendezvous {layout['master_addr']}:{layout['master_port']}")
 
-    raise typer.Exit(launch(run_file, overrides=overrides, resume=resume, on_start=banner, **layout))
+    import sys
+
+    def failed(cause: str) -> None:
+        err_console.print(f"error: {cause}; the run folder keeps its newest complete checkpoint: continue "
+                          "with the same command and --resume on every node", highlight=False, soft_wrap=True)
+
+    code = launch(run_file, overrides=overrides, resume=resume, single_host=single_host,
+                  on_start=banner, on_output=sys.stderr.write, on_failure=failed, **layout)
+    if code in (130, 143):  # SIGINT / SIGTERM: torchrun stopped this node's processes
+        err_console.print(f"stopped ({'SIGINT' if code == 130 else 'SIGTERM'}): every process on this node "
+                          "ended; continue with the same command and --resume", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def _show_plan(run, cmd: list[str], as_json: bool) -> None:

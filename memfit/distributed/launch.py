@@ -44,8 +44,10 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def check_layout(nproc: int, nodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
-    """One-line ConfigErrors for a layout torchrun would reject later (or hang on)."""
+def check_layout(nproc: int, nodes: int, node_rank: int, master_addr: str, master_port: int,
+                 single_host: bool = False) -> None:
+    """One-line ConfigErrors for a layout torchrun would reject later (or hang on). ``single_host``: every
+    node rank runs on this machine (a deliberate test of a multi-node config): loopback is then right."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give the number of processes on this node (1 or more)")
     if nodes < 1:
@@ -55,9 +57,10 @@ def check_layout(nproc: int, nodes: int, node_rank: int, master_addr: str, maste
                           "(0 on the node whose address is --master-addr)")
     if not 1 <= master_port <= 65535:
         raise ConfigError(f"--master-port {master_port}: must be 1..65535 (default 29500)")
-    if nodes > 1 and _is_loopback(master_addr):
+    if nodes > 1 and _is_loopback(master_addr) and not single_host:
         raise ConfigError(f"--master-addr {master_addr} with --nodes {nodes}: the other nodes cannot reach a "
-                          "loopback address; give node 0's address on the cluster network, e.g. 10.0.0.1")
+                          "loopback address; give node 0's address on the cluster network, e.g. 10.0.0.1 "
+                          "(or add --single-host when every node rank runs on this machine)")
 
 
 def layout_overrides(nproc: int, nodes: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
@@ -78,9 +81,10 @@ def torchrun_command(module: str, args: Sequence[str], *, nproc: int, nodes: int
 
 def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
                    master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-                   resume: bool = False, overwrite: bool = False, python: Optional[str] = None) -> list[str]:
+                   resume: bool = False, overwrite: bool = False, python: Optional[str] = None,
+                   single_host: bool = False) -> list[str]:
     """The torchrun command line this node runs (what :func:`launch` executes)."""
-    check_layout(nproc, nodes, node_rank, master_addr, master_port)
+    check_layout(nproc, nodes, node_rank, master_addr, master_port, single_host)
     cmd = torchrun_command("memfit.train", [str(run_path)], nproc=nproc, nodes=nodes, node_rank=node_rank,
                            master_addr=master_addr, master_port=master_port, python=python)
     for item in [*overrides, *layout_overrides(nproc, nodes, node_rank, master_addr, master_port)]:
@@ -94,7 +98,8 @@ def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_ran
 
 def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[str, str]:
     """The processes' environment: one BLAS/OpenMP thread pool share per process unless the user set it
-    (:func:`memfit.spec.threads.run_threads`, the count the prediction reads)."""
+    (:func:`memfit.spec.threads.run_threads`, the count the prediction reads). ``nproc``: the processes
+    sharing this machine (every node's, with ``--single-host``)."""
     from memfit.spec.threads import ENV, run_threads
 
     env = dict(os.environ if base is None else base)
@@ -106,14 +111,19 @@ def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[st
 
 def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-           resume: bool = False, overwrite: bool = False,
-           on_start: Optional[Callable[[Any], None]] = None) -> int:
+           resume: bool = False, overwrite: bool = False, single_host: bool = False,
+           on_start: Optional[Callable[[Any], None]] = None,
+           on_output: Optional[Callable[[str], None]] = None,
+           on_failure: Optional[Callable[[str], None]] = None) -> int:
     """Run this node's share of the training with torchrun; returns its exit status (0 = all ranks ok).
 
     The run file, the overrides and what can be checked without torch (:func:`~memfit.distributed.
     preflight.before_launch`: model folder, planner rules, engines) are validated first, as one error
     line, so a mistake does not start ``nproc`` processes that all fail the same way. ``on_start(run)``
     is called once that passed, just before the processes start (the CLI prints what it launches).
+    ``on_output(line)``: the processes' stderr goes through it (else straight to this stderr), so that
+    on a failure ``on_failure(line)`` gets one line naming the first rank that failed and why
+    (:func:`memfit.distributed.faults.root_cause`).
     """
     from memfit.distributed.preflight import before_launch
     from memfit.errors import IncompatibleError
@@ -127,10 +137,46 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
         raise IncompatibleError(f"{run_path}: strategy {run.strategy.label()} cannot run here: "
                                 + "; ".join(problems))
     cmd = launch_command(run_path, nproc=nproc, nodes=nodes, node_rank=node_rank, master_addr=master_addr,
-                         master_port=master_port, overrides=overrides, resume=resume, overwrite=overwrite)
+                         master_port=master_port, overrides=overrides, resume=resume, overwrite=overwrite,
+                         single_host=single_host)
     if on_start is not None:
         on_start(run)
+    env = launch_env(nproc=nproc * nodes if single_host else nproc)
     try:
-        return subprocess.run(cmd, env=launch_env(nproc=nproc)).returncode
+        if on_output is None:
+            return subprocess.run(cmd, env=env).returncode
+        return _run_torchrun(cmd, env, on_output, on_failure)
     except KeyboardInterrupt:  # torchrun forwards the signal to its workers and exits
         return 130
+
+
+def _run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str], None],
+                  on_failure: Optional[Callable[[str], None]]) -> int:
+    """Run torchrun to its end, its stderr passed line by line to ``on_output``; its tail names a
+    failure. A SIGTERM to this process is passed on to torchrun (it stops its workers), then 143."""
+    import signal
+    import threading
+    from collections import deque
+
+    from memfit.distributed.faults import root_cause
+
+    tail: deque = deque(maxlen=400)
+    stopped: list[int] = []
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, lambda *_: (stopped.append(1), proc.terminate())) if main else None
+        try:
+            for line in proc.stderr:  # type: ignore[union-attr]
+                tail.append(line)
+                on_output(line)
+            code = proc.wait()
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
+    if stopped:
+        return 143
+    if code != 0 and on_failure is not None:
+        cause = root_cause("".join(tail))
+        if cause:
+            on_failure(cause)
+    return code

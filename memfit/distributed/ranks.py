@@ -37,6 +37,32 @@ def launched_world() -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
+def this_process() -> dict:
+    """Where this process sits: global rank, node rank (torchrun's GROUP_RANK), local rank, host name."""
+    import socket
+
+    rank, local_rank, world = rank_info()
+    return {"rank": rank, "node_rank": int(os.environ.get("GROUP_RANK", 0)), "local_rank": local_rank,
+            "world_size": world, "host": socket.gethostname()}
+
+
+def gather_layout() -> list[dict]:
+    """:func:`this_process` of every rank, rank 0 first (one object gather; collective)."""
+    dist = _group()
+    if dist is None or dist.get_world_size() == 1:
+        return [this_process()]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, this_process())
+    return out
+
+
+def layout_line(ranks: list[dict]) -> str:
+    """``world size 2 on 2 node(s): rank 0 = node 0 local 0, rank 1 = node 1 local 0``."""
+    nodes = len({r["node_rank"] for r in ranks})
+    each = ", ".join(f"rank {r['rank']} = node {r['node_rank']} local {r['local_rank']}" for r in ranks)
+    return f"world size {len(ranks)} on {nodes} node(s): {each}"
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     dist = _group()

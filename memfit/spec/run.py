@@ -58,6 +58,8 @@ class DistributedSpec(BaseModel):
     master_port: int = Field(29500, ge=1, le=65535)
     reduce_bucket_size: Optional[int] = Field(None, ge=1)
     allgather_bucket_size: Optional[int] = Field(None, ge=1)
+    timeout_s: int = Field(600, ge=1, description="seconds a collective waits for the other ranks before "
+                           "every process stops (a dead or hung rank); above the longest checkpoint save")
 
 
 class RunSpec(BaseModel):

@@ -35,17 +35,35 @@ def main(argv: list[str] | None = None) -> int:
             from memfit.train.callbacks import RichProgress
 
             callbacks.append(RichProgress())
+        from memfit.distributed.faults import drill_callback
+
+        drill = [cb for cb in [drill_callback()] if cb is not None]  # MEMFIT_FAULT_DRILL (tests, drills)
         try:
-            result = train(run, callbacks=callbacks, resume=args.resume, overwrite=args.overwrite)
+            result = train(run, callbacks=[*callbacks, *drill], resume=args.resume, overwrite=args.overwrite)
         finally:
             for cb in callbacks:
                 cb.close()
     except MemfitError as err:
         print(f"error: {err}", file=sys.stderr)
+        from memfit.distributed.ranks import rank_info
+
+        if rank_info()[2] > 1:  # the peers may wait in a collective: end now, they follow
+            from memfit.distributed.faults import fail_fast
+
+            fail_fast(2)
         return 2
     except (KeyboardInterrupt, TrainingInterrupted) as err:
         print(str(err) or "interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # one rank of several failed: say which, end now (the peers follow)
+        from memfit.distributed.ranks import rank_info
+
+        if rank_info()[2] == 1:
+            raise
+        from memfit.distributed.faults import fail_fast, failure_line
+
+        print(f"error: {failure_line(err)}", file=sys.stderr)
+        fail_fast(1)
     if main_rank:
         if args.json:
             from memfit.cli.output import print_json

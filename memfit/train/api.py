@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from memfit.distributed import engines
-from memfit.distributed.ranks import rank_info
+from memfit.distributed.ranks import gather_layout, layout_line, rank_info
 from memfit.errors import IncompatibleError, MemfitError, TrainingInterrupted
 from memfit.io import atomic_dir, write_json, write_text
 
@@ -42,6 +42,7 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)
     report: Optional[str] = None       # report.html (memfit.train.report), where the [plot] extra is installed
     plan_why: list[str] = field(default_factory=list)  # the planner's reasons, where it chose (train --auto)
+    ranks: list[dict] = field(default_factory=list)  # every process: rank, node_rank, local_rank, host
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,7 +197,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     from memfit.spec.run import save_run
     from memfit.methods import for_strategy
     from memfit.train.callbacks import MetricsWriter, StepStats
-    from memfit.train.checkpoint import clean_staging
+    from memfit.train.checkpoint import clean_staging, prepare_folders
     from memfit.train.data import prepare_datasets
     from memfit.train.model import build_model
     from memfit.train.trainer import build_trainer
@@ -238,6 +239,10 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     cbs.extend(callbacks)
     trainer = build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
     state["trainer"] = trainer
+    agreed = prepare_folders(trainer, run, out, ckpt)  # one folder or one per node (collective)
+    if main and agreed != ckpt and metrics_path.exists():
+        trim_metrics(metrics_path, int(agreed.name.rsplit("-", 1)[-1]))
+    ckpt = agreed
     if main:
         save_run(run, out / "run.yaml")
     state["started"] = True
@@ -250,6 +255,9 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     saved = _save_final(run, trainer, engine, tokenizer, out)
     ranks = all_ranks(stats.batches)
     result = _result(run, out, trainer, output, stats, report, info, eval_loss, saved, ckpt, main)
+    result.ranks = gather_layout()
+    if len(result.ranks) > 1:
+        result.notes.append(layout_line(result.ranks))
     if main and result.predicted:
         from memfit.train.shapes import predict_as_ran
 

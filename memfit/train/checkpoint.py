@@ -61,7 +61,8 @@ class AtomicCheckpointMixin:
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX}{self.state.global_step}"
         staged = run_dir / STAGING / name
-        if self.args.should_save and staged.exists():
+        leader = self._memfit_leader()
+        if leader and staged.exists():
             shutil.rmtree(staged)
         _barrier()
         self._memfit_staging = True
@@ -78,11 +79,51 @@ class AtomicCheckpointMixin:
         finally:
             self._memfit_staging = False
         _barrier()  # every rank has written its part
-        if self.args.should_save:
+        roles = getattr(self, "_memfit_roles", None)
+        if roles is not None:  # node-local folders: rank 0's tag / metadata files to each node's copy
+            from memfit.distributed.nodelocal import share_common_files
+
+            share_common_files(staged, roles)
+        if leader:
             replace_dir(staged, run_dir / name)
             shutil.rmtree(run_dir / STAGING, ignore_errors=True)
             rotate(run_dir, self.args.save_total_limit)
         _barrier()
+
+    def _memfit_leader(self) -> bool:
+        """Whether this process completes checkpoints in its folder: rank 0 in a shared folder, each
+        node's first process in a folder of its own (memfit.distributed.nodelocal)."""
+        roles = getattr(self, "_memfit_roles", None)
+        return roles.leader if roles is not None else self.args.should_save
+
+
+def prepare_folders(trainer, run, out: Path, ckpt: Optional[Path]) -> Optional[Path]:
+    """Collective, once the process group is up: find whether the ranks share ``out`` (see
+    memfit.distributed.nodelocal); a node-local folder's leader saves the trainer's files there too and
+    gets run.yaml. Returns the checkpoint to resume from: the newest one complete in every rank's folder."""
+    from memfit.distributed.nodelocal import agree_step, folder_roles
+
+    roles = folder_roles(out)
+    trainer._memfit_roles = roles
+    if roles.node_local and run.strategy.fsdp and run.training.checkpoint_interval > 0:
+        raise MemfitError(f"output_dir {out}: FSDP with one output folder per node cannot resume: its sharded "
+                          "checkpoint (torch.distributed.checkpoint) reads other ranks' files; give every "
+                          "node the same shared output_dir, or set training.checkpoint_interval=0")
+    if roles.leader and not roles.shared:
+        from memfit.io import make_dir
+        from memfit.spec.run import save_run
+
+        make_dir(Path(out), "output_dir")
+        trainer.args.save_on_each_node = True  # should_save: this node's first process
+        shutil.rmtree(Path(out) / STAGING, ignore_errors=True)
+        save_run(run, Path(out) / "run.yaml")
+    if ckpt is None or not roles.node_local:
+        return ckpt
+    step = agree_step([int(p.name[len(PREFIX):]) for p in checkpoints(out)])
+    if step is None:
+        raise MemfitError(f"--resume: no checkpoint is complete in every node's output folder ({out} here); "
+                          "copy the newest checkpoint-N folder to every node, or start anew with --overwrite")
+    return Path(out) / f"{PREFIX}{step}"
 
 
 def checkpoints(out_dir: Path) -> list[Path]:
@@ -120,3 +161,5 @@ def clean_staging(out_dir: Path) -> None:
     shutil.rmtree(out_dir / STAGING, ignore_errors=True)
     for p in out_dir.glob(".*.tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
+    for p in out_dir.glob(".memfit-node-token-*"):  # a folder check cut short (memfit.distributed.nodelocal)
+        p.unlink(missing_ok=True)

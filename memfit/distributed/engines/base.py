@@ -130,8 +130,9 @@ class Engine:
         """DDP: the Trainer (accelerate) joins the group itself."""
 
     def trainer_kwargs(self, run: RunSpec, output_dir: Path) -> dict[str, Any]:
-        """Extra ``TrainingArguments`` keyword arguments; rank 0 writes the config files used."""
-        return {}
+        """Extra ``TrainingArguments`` keyword arguments; rank 0 writes the config files used. DDP: the
+        group accelerate builds gives up a collective after ``distributed.timeout_s``."""
+        return {"ddp_timeout": run.distributed.timeout_s}
 
     def write_configs(self, run: RunSpec, output_dir: Path) -> list[Path]:
         """The config files this run uses, in ``output_dir`` (rank 0)."""
@@ -159,7 +160,7 @@ def _sharded_trainer_kwargs(engine: Engine, run: RunSpec, output_dir: Path) -> d
         engine.write_configs(run, Path(output_dir))
     # The Trainer must use the process state join built, not rebuild its own. (use_cpu stays the
     # trainer's: on the CPU it only turns off pinning and allows CPU bf16.)
-    return {"accelerator_config": {"use_configured_state": True}}
+    return {"accelerator_config": {"use_configured_state": True}, "ddp_timeout": run.distributed.timeout_s}
 
 
 def dump_json(obj: Any) -> str:

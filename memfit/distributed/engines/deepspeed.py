@@ -49,7 +49,7 @@ class DeepSpeed(Engine):
         return ds
 
     def _join(self, run: RunSpec) -> None:
-        join_process_group(deepspeed=True)
+        join_process_group(deepspeed=True, timeout_s=run.distributed.timeout_s)
         if self.stage == 3:  # from_pretrained partitions the weights as it loads them (zero.Init)
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 

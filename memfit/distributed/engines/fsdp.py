@@ -95,7 +95,7 @@ class Fsdp(Engine):
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(f["cpu_ram_efficient_loading"]).lower()
         os.environ["FSDP_OFFLOAD_PARAMS"] = str(f["cpu_offload"]).lower()
         os.environ["FSDP_STATE_DICT_TYPE"] = f["state_dict_type"]
-        join_process_group(deepspeed=False)
+        join_process_group(deepspeed=False, timeout_s=run.distributed.timeout_s)
 
     def write_configs(self, run: RunSpec, output_dir: Path) -> list[Path]:
         return [write_text_atomic(accelerate_file_text(run, device_kind(), header=True, layer_cls=self._layer_cls(run)),

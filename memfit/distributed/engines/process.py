@@ -25,25 +25,29 @@ def single_process_env() -> None:
     env.setdefault("MASTER_PORT", str(free_port()))
 
 
-def join_process_group(deepspeed: bool) -> None:
-    """Build accelerate's process state for DeepSpeed (``deepspeed=True``) or FSDP before the Trainer."""
+def join_process_group(deepspeed: bool, timeout_s: int = 600) -> None:
+    """Build accelerate's process state for DeepSpeed (``deepspeed=True``) or FSDP before the Trainer;
+    every collective of the group gives up after ``timeout_s`` (``distributed.timeout_s``)."""
+    from datetime import timedelta
+
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     single_process_env()
     AcceleratorState._reset_state(reset_partial_state=True)
     cuda = on_cuda()
+    timeout = timedelta(seconds=timeout_s)
     if deepspeed and cuda:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         try:
-            state = PartialState()
+            state = PartialState(timeout=timeout)
         finally:
             del os.environ["ACCELERATE_USE_DEEPSPEED"]
     else:
-        state = PartialState(cpu=not cuda)
+        state = PartialState(cpu=not cuda, timeout=timeout)
     if not cuda:
         state.distributed_type = DistributedType.DEEPSPEED if deepspeed else DistributedType.MULTI_GPU
         if deepspeed:  # DeepSpeed's comm layer adopts the gloo group (zero.Init reads its world size)
             from deepspeed import comm
 
-            comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+            comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)

@@ -1,0 +1,145 @@
+"""Two node ranks on one machine, started as a cluster user starts them (docs/distributed.md):
+
+    memfit launch RUN --nodes 2 --node-rank R --nproc 1 --master-addr 127.0.0.1 --master-port P --single-host
+
+ZeRO-3 and FSDP2 on CPU/gloo, 2 nodes x 1 process, against the 2-process single-node run of the same
+run file: the same losses, the ranks in the summary, and a checkpoint at step 2 that ``--resume``
+continues to step 3 with the uninterrupted losses, in one folder per node (ZeRO-3: node-local disks)
+and in one shared output folder (FSDP).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memfit.distributed.launch import free_port, torchrun_command
+
+
+ENGINES = {"z3": ["strategy.zero_stage=3"], "fsdp": ["strategy.fsdp=full_shard"]}
+STEPS = 3
+TIMEOUT = 600
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1",
+               PYTHONFAULTHANDLER="1")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def launch_nodes(run_file: Path, sets: list[str], *, nodes: int = 2, resume: bool = False,
+                 per_node_sets=None) -> list[subprocess.CompletedProcess]:
+    """``memfit launch`` once per node rank, all at once, as on a cluster (one shell per node)."""
+    port = free_port()
+    procs = []
+    for rank in range(nodes):
+        cmd = [sys.executable, "-m", "memfit", "launch", str(run_file), "--nodes", str(nodes), "--node-rank",
+               str(rank), "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--single-host"]
+        for item in [*sets, *(per_node_sets(rank) if per_node_sets else [])]:
+            cmd += ["--set", item]
+        if resume:
+            cmd.append("--resume")
+        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=TIMEOUT)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _ok(procs) -> None:
+    for p in procs:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def test_loopback_needs_single_host(tmp_path):
+    from memfit.distributed.launch import launch_command
+    from memfit.errors import ConfigError
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump({"model": "llama-2-7b", "output_dir": str(tmp_path / "out")}))
+    with pytest.raises(ConfigError, match="--single-host"):  # the real-cluster mistake stays refused
+        launch_command(run_file, nproc=1, nodes=2, node_rank=1, master_addr="127.0.0.1")
+    cmd = launch_command(run_file, nproc=1, nodes=2, node_rank=1, master_addr="127.0.0.1", single_host=True)
+    assert cmd[cmd.index("--node-rank") + 1] == "1" and cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, tiny_model_dir):
+    from memfit.train.demo import make_dialogue_records, write_jsonl
+
+    root = tmp_path_factory.mktemp("multinode")
+    records = make_dialogue_records(32, seed=0)
+    write_jsonl(records, root / "data.jsonl")
+    model = tiny_model_dir("multinode", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
+    base = {
+        "model": str(model),
+        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
+        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": 128,
+                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
+        "training": {"max_steps": STEPS, "learning_rate": 0.01, "lr_scheduler": "constant",
+                     "logging_interval": 1},
+        "output_dir": str(root / "ref"),
+    }
+    run_file = root / "run.yaml"
+    run_file.write_text(yaml.safe_dump(base))
+    # the reference: one node, 2 processes, each engine for STEPS steps (one launch for both)
+    cases = root / "cases.json"
+    cases.write_text(json.dumps([{"name": k, "set": ["method=lora", *v]} for k, v in ENGINES.items()]))
+    ref = subprocess.run(torchrun_command("memfit.measure.engine_matrix", [run_file, cases, root / "ref.json"],
+                                          nproc=2), cwd=root, env=_env(), capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    _ok([ref])
+    results = {"ref": json.loads((root / "ref.json").read_text())["cases"], "root": root}
+    for key, sets in ENGINES.items():
+        # ZeRO-3: a folder per node (node-local disks); FSDP: one output folder both nodes write (a shared
+        # file system). 2 steps with a checkpoint at 2, then --resume to step 3.
+        per_node = (lambda r: [f"output_dir={root / key}-node{r}"]) if key == "z3" else None
+        out = root / (f"{key}-node0" if per_node else key)
+        first = [f"output_dir={out}", "training.max_steps=2", "training.checkpoint_interval=2", *sets]
+        _ok(p1 := launch_nodes(run_file, first, per_node_sets=per_node))
+        _ok(p2 := launch_nodes(run_file, [f"output_dir={out}", *sets], resume=True, per_node_sets=per_node))
+        results[key] = {"first": p1, "resumed": p2, "out": out, "node1": root / f"{key}-node1" if per_node else out}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_two_nodes_match_one_node_and_resume(nodes, engine):
+    ref = nodes["ref"][engine]
+    out = nodes[engine]["out"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["resumed_from"].endswith("checkpoint-2")
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == STEPS  # steps 1-2 from the first job, 3 after --resume (trimmed, not repeated)
+    assert losses == pytest.approx(ref["losses"], rel=1e-4, abs=1e-4)
+    assert (out / "checkpoint-2").is_dir() and (out / "adapter").is_dir()
+    node1 = nodes[engine]["node1"]  # node 1's own folder (ZeRO-3) holds a complete checkpoint of its own
+    assert (node1 / "checkpoint-2" / "trainer_state.json").is_file() and not (node1 / ".staging").exists()
+    if node1 != out:
+        assert (node1 / "run.yaml").is_file() and (node1 / "checkpoint-2" / "latest").is_file()
+        assert [p.name for p in (node1 / "checkpoint-2").glob("global_step2/*optim_states.pt")] == \
+            ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # its own shard only
+        assert "resumed from" in nodes[engine]["resumed"][0].stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_summary_names_every_rank(nodes, engine):
+    summary = json.loads((nodes[engine]["out"] / "summary.json").read_text())
+    assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"]) for r in summary["ranks"]] == \
+        [(0, 0, 0, 2), (1, 1, 0, 2)]
+    assert any("world size 2 on 2 node(s)" in n for n in summary["notes"])
+    run = yaml.safe_load((nodes[engine]["out"] / "run.yaml").read_text())
+    assert run["distributed"]["nodes"] == 2 and run["distributed"]["nproc"] == 1
+    banner = " ".join(nodes[engine]["first"][1].stderr.split())  # (the console wraps it)
+    assert "node 1 of 2" in banner and "world size 2" in banner

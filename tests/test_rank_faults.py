@@ -1,0 +1,157 @@
+"""One rank of two fails (kill -9 under DDP, an out-of-memory error under FSDP2) on CPU/gloo,
+started with ``memfit launch RUN --nproc 2`` (MEMFIT_FAULT_DRILL picks the rank, step and kind).
+
+Every process ends within the run's collective timeout, the launcher exits non-zero with one line naming
+the rank, nothing is left holding the port, the newest complete checkpoint is there, and (DDP kill -9)
+``--resume`` continues from it to the loss the interrupted run had logged for the same step.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from memfit.distributed.faults import failure_line, root_cause
+
+TIMEOUT_S = 60  # distributed.timeout_s of these runs: every process must be gone well within it
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1", **extra)
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEMFIT_FAULT_DRILL"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _launch(run_file, port, *args, drill=None):
+    from memfit.distributed.launch import free_port  # noqa: F401 - the port is the caller's
+
+    env = _env(**({"MEMFIT_FAULT_DRILL": drill} if drill else {}))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "memfit", "launch", str(run_file), "--nproc", "2",
+                        "--master-port", str(port), *args], env=env, capture_output=True, text=True,
+                       timeout=900)
+    return p, time.monotonic() - t0
+
+
+def _losses(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_model_dir):
+    from memfit.train.demo import make_dialogue_records, write_jsonl
+
+    root = tmp_path_factory.mktemp("faults")
+    records = make_dialogue_records(32, seed=0)
+    write_jsonl(records, root / "data.jsonl")
+    model = tiny_model_dir("multinode", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
+    return root, {
+        "model": str(model),
+        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
+        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": 128,
+                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
+        "training": {"max_steps": 4, "learning_rate": 0.01, "lr_scheduler": "constant",
+                     "checkpoint_interval": 2},
+        "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S},
+    }
+
+
+CASES = {  # engine, fault; the rank fails as it starts step 4: steps 1-3 are logged, checkpoint-2 is complete
+    "ddp-kill": ([], "1:4:kill", "killed by SIGKILL"),  # no word from the rank: torchrun names it
+    "fsdp-oom": (["strategy.fsdp=full_shard"], "0:4:oom", "out of memory"),  # an exception on one rank
+}
+# (an exception of another type on rank 1 of FSDP, "1:4:raise", takes the OOM's path: ~60 s more, not in CI)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failing_rank_ends_the_job_and_resume_continues(base, case):
+    from memfit.distributed.launch import free_port
+
+    root, spec = base
+    sets, drill, says = CASES[case]
+    run_file = root / f"{case}.yaml"
+    run_file.write_text(yaml.safe_dump({**spec, "output_dir": str(root / case)}))
+    port = free_port()
+    sets = [a for s in sets for a in ("--set", s)]
+    failed, took = _launch(run_file, port, *sets, drill=drill)
+    assert failed.returncode != 0
+    assert took < TIMEOUT_S + 240, took  # (process start-up on a loaded 2-core machine included)
+    cause = [ln for ln in failed.stderr.splitlines() if ln.startswith("error: ") and "--resume" in ln]
+    assert len(cause) == 1 and says in cause[0] and f"rank {drill[0]}" in cause[0], failed.stderr[-3000:]
+    assert _port_free(port)  # no process left holding the rendezvous
+    out = root / case
+    before = _losses(out)
+    assert sorted(before) == [1, 2, 3] and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
+    if case != "ddp-kill":
+        return  # (FSDP's resume from a checkpoint: tests/test_multinode.py; one resume here keeps CI short)
+    resumed, _ = _launch(run_file, free_port(), *sets, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _losses(out)
+    assert sorted(after) == [1, 2, 3, 4]
+    assert after[3] == pytest.approx(before[3], rel=1e-5, abs=1e-6)  # step 3 again, from checkpoint-2
+    assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith("checkpoint-2")
+
+
+def test_failure_lines():
+    err = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    assert "lost a peer rank" in failure_line(err) and failure_line(err).startswith("rank 0 of 1 (node 0)")
+    assert failure_line(ValueError("bad batch\nat row 7")) == "rank 0 of 1 (node 0): ValueError: bad batch at row 7"
+    import torch
+
+    assert "out of memory" in failure_line(torch.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
+    report = ("Root Cause (first observed failure):\n[0]:\n  time      : t\n  host      : h\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)  (SIGKILL)\n")
+    assert root_cause("error: rank 0 of 2 (node 0): lost a peer rank in a collective (x)\n" + report) == \
+        "rank 1 was killed by SIGKILL (no error of its own: killed from outside, or out of host memory)"
+    own = "error: rank 1 of 2 (node 0): RuntimeError: bad batch\n" + report.replace("-9 (pid: 7)  (SIGKILL)", "1 (pid: 7) ")
+    assert root_cause(own) == "rank 1 of 2 (node 0): RuntimeError: bad batch"
+
+
+def test_drill_variable_is_checked():
+    from memfit.distributed.faults import drill_callback
+    from memfit.errors import ConfigError
+
+    assert drill_callback({}) is None
+    with pytest.raises(ConfigError, match="RANK:STEP:KIND"):
+        drill_callback({"MEMFIT_FAULT_DRILL": "1:x:explode"})
+
+
+def test_sigterm_to_the_launcher_stops_torchrun_and_exits_143(tmp_path):
+    """``memfit launch`` passes a SIGTERM on to torchrun (which stops its workers) and exits 143."""
+    import signal
+
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "child.py").write_text("import os, sys, time\n"
+                                       "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                       "time.sleep(120)\n")
+    script = ("import os, sys\n"
+              "from memfit.distributed.launch import _run_torchrun\n"
+              "cmd = [sys.executable, sys.argv[1], sys.argv[2]]  # a stand-in for torchrun\n"
+              "sys.exit(_run_torchrun(cmd, dict(os.environ), sys.stderr.write, None))\n")
+    p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "child.py"), str(pid_file)])
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # the stand-in is gone (terminated and reaped)
