@@ -205,7 +205,15 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="where models and runs go (default: a temp folder)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/meft_knowledge_<date>.json)")
     ap.add_argument("--plot", default="docs/meft_knowledge.png")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the table and plot from a results file, no training")
     args = ap.parse_args(argv)
+    if args.replot:
+        from meft_knowledge_report import plot, table
+
+        doc = json.loads(Path(args.replot).read_text())
+        print(table(doc["rows"]))
+        print(f"plot {plot(doc['rows'], args.plot, doc['pretrain']['recall'])}")
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import tempfile
 
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
     print(table(rows))
     print(f"wall {raw['wall_s']:.0f} s; results {out}")
     if not args.quick:
-        print(f"plot {plot(rows, args.plot)}")
+        print(f"plot {plot(rows, args.plot, raw['pretrain']['recall'])}")
     return 0
 
 

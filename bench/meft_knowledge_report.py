@@ -66,20 +66,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> str:
-    """Recall against measured device bytes of trainable state, one point per method (log x)."""
+def plot(rows: list[dict], path: str, baseline: float | None = None) -> str:
+    """Recall against measured device bytes of trainable state, one point per method (log x);
+    ``baseline``: the pre-trained model's recall before any method ran (a dashed line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
+    if baseline is not None:
+        ax.axhline(100 * baseline, ls="--", color="k", lw=0.8, label="before fine-tuning")
+        ax.legend(loc="center left", fontsize=8)
     for r in rows:
         x, y = r["device_meas"] / 1e6, 100 * r["recall"]
         ax.errorbar([x], [y], yerr=[100 * r["recall_pm"]], fmt="o", capsize=3,
                     color="tab:red" if r["method"].startswith("meft") else
                     "tab:blue" if r["method"].startswith("lora") else "tab:gray")
-        ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        below = any(0.95 <= o["device_meas"] / r["device_meas"] < 1.25 and o["recall"] > r["recall"]
+                    for o in rows if o is not r)  # a higher point close to the right: label underneath
+        ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(6, -12 if below else 8),
+                    fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("device-resident trainable state, MB (params + grads + Adam; measured)")
     ax.set_ylabel("closed-book exact-match recall of new facts, %")
