@@ -67,3 +67,16 @@ def tiny_llama(llama_config):
         return LlamaForCausalLM(cfg)
 
     return make
+
+
+def dialogue_micro(root):
+    """A micro model folder (hidden 32, 2 layers, vocab 300) and a 32-record JSON-lines dataset under ``root``:
+    (model folder, data file). The methods' training tests share it."""
+    from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl
+
+    recs = make_dialogue_records(32, seed=3)
+    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
+    model = build_tiny_model(root / "model", cfg, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
+    data = write_jsonl([{"text": r["dialogue"] + "\n" + r["summary"]} for r in recs], root / "data.jsonl")
+    return model, data

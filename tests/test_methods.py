@@ -77,15 +77,10 @@ def test_planner_searches_dora_only_when_asked():
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
     pytest.importorskip("peft")
-    from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl
+    from conftest import dialogue_micro
 
     root = tmp_path_factory.mktemp("methods")
-    recs = make_dialogue_records(32, seed=3)
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
-    model = build_tiny_model(root / "model", cfg, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
-    data = write_jsonl([{"text": r["dialogue"] + "\n" + r["summary"]} for r in recs], root / "data.jsonl")
-    return model, data, root
+    return (*dialogue_micro(root), root)
 
 
 def test_dora_trains_saves_and_reloads(micro):

@@ -20,15 +20,10 @@ OPTIONS = {"targets": "all-linear", "rank_pattern": {"q_proj": 8, "down_proj": 2
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
     pytest.importorskip("peft")
-    from memfit.train.demo import TinyModelConfig, build_tiny_model, make_dialogue_records, write_jsonl
+    from conftest import dialogue_micro
 
     root = tmp_path_factory.mktemp("lora-options")
-    recs = make_dialogue_records(32, seed=3)
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
-    model = build_tiny_model(root / "model", cfg, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
-    data = write_jsonl([{"text": r["dialogue"] + "\n" + r["summary"]} for r in recs], root / "data.jsonl")
-    return model, data, root
+    return (*dialogue_micro(root), root)
 
 
 def test_run_file_options_reach_the_strategy_and_peft():
