@@ -26,8 +26,17 @@ if sys.argv[1] == "finish":
     finish()
 else:
     dist.destroy_process_group()
-names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(",".join(sorted(n for n in names if "gloo" in n or "tcpstore" in n)))
+import time
+
+def alive():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
+
+for _ in range(30):  # the TCPStore's loop thread ends a moment after the store is freed
+    if not alive():
+        break
+    time.sleep(0.1)
+print(",".join(alive()))
 """
 
 

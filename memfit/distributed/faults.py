@@ -12,8 +12,8 @@ folder left resumable.
 * Checkpoints are complete or absent (memfit.train.checkpoint: staged, renamed when every rank wrote its
   part), so ``--resume`` continues from the newest complete one.
 
-``MEMFIT_FAULT_DRILL=RANK:STEP:KIND`` (KIND: ``kill``, ``raise``, ``oom``) makes rank RANK fail that way
-when it starts step STEP: the tests' and a user's drill of the above (:func:`drill_callback`).
+``MEMFIT_FAULT_DRILL=RANK:STEP:KIND`` (KIND: ``kill``, ``raise``, ``oom``, ``hang``: sleeps, alive but
+silent) makes rank RANK fail that way when it starts step STEP: the tests' and a user's drill of the above (:func:`drill_callback`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from typing import Any, NoReturn, Optional
 
 DRILL_ENV = "MEMFIT_FAULT_DRILL"
-KINDS = ("kill", "raise", "oom")
+KINDS = ("kill", "raise", "oom", "hang")
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "timed out", "timeout",
               "broken pipe", "socket closed", "connection refused")
 
@@ -57,6 +57,10 @@ def drill_callback(environ: Optional[dict] = None) -> Optional[Any]:
                 import signal
 
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "hang":  # its peers give up after distributed.timeout_s
+                import time
+
+                time.sleep(10 ** 6)
             if kind == "oom":
                 import torch
 
@@ -111,6 +115,10 @@ def root_cause(output: str) -> Optional[str]:
     for rank, code, signame in failures:  # the root cause first, then the other failures torchrun saw
         if rank in lines and "lost a peer" not in lines[rank]:
             return lines[rank]
+        timed_out = any("timed out" in line.lower() for line in lines.values())
+        if code < 0 and signame == "SIGTERM" and timed_out:  # torchrun stopped it after a peer's timeout
+            return (f"rank {rank} did not answer within distributed.timeout_s (hung; its peers timed out, "
+                    "torchrun stopped it)")
         if code < 0:
             return (f"rank {rank} was killed by {signame or f'signal {-code}'} (no error of its own: killed "
                     "from outside, or out of host memory)")

@@ -63,6 +63,16 @@ def layout_line(ranks: list[dict]) -> str:
     return f"world size {len(ranks)} on {nodes} node(s): {each}"
 
 
+def set_collective_timeout(seconds: int) -> None:
+    """Every later collective of the default group gives up after ``seconds`` (``distributed.timeout_s``).
+    Set again once the group is up: on the CPU the Trainer builds DDP's group without its ddp_timeout."""
+    dist = _group()
+    if dist is not None and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        from datetime import timedelta
+
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     dist = _group()
