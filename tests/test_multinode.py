@@ -34,7 +34,7 @@ def _env() -> dict:
 
 
 def launch_nodes(run_file: Path, sets: list[str], *, nodes: int = 2, resume: bool = False,
-                 per_node_sets=None) -> list[subprocess.CompletedProcess]:
+                 per_node_sets=None, env=None) -> list[subprocess.CompletedProcess]:
     """``memfit launch`` once per node rank, all at once, as on a cluster (one shell per node)."""
     port = free_port()
     procs = []
@@ -46,8 +46,8 @@ def launch_nodes(run_file: Path, sets: list[str], *, nodes: int = 2, resume: boo
             cmd += ["--set", item]
         if resume:
             cmd.append("--resume")
-        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     done = []
     for p in procs:
         out, err = p.communicate(timeout=TIMEOUT)
@@ -143,3 +143,19 @@ def test_summary_names_every_rank(nodes, engine):
     assert run["distributed"]["nodes"] == 2 and run["distributed"]["nproc"] == 1
     banner = " ".join(nodes[engine]["first"][1].stderr.split())  # (the console wraps it)
     assert "node 1 of 2" in banner and "world size 2" in banner
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_node_1_ends_both_nodes(nodes):
+    """kill -9 of rank 1 (node 1) at step 2: both launchers end non-zero within timeout_s, each with one line."""
+    import time
+
+    root = nodes["root"]
+    t0 = time.monotonic()
+    procs = launch_nodes(root / "run.yaml", [f"output_dir={root / 'killed'}", "distributed.timeout_s=60",
+                                             *ENGINES["z3"]], env={"MEMFIT_FAULT_DRILL": "1:2:kill"})
+    assert time.monotonic() - t0 < 60 + 240
+    lines = [[ln for ln in p.stderr.splitlines() if ln.startswith("error: ") and "--resume" in ln] for p in procs]
+    assert all(p.returncode != 0 for p in procs) and [len(x) for x in lines] == [1, 1], procs[0].stderr[-2000:]
+    assert "rank 1 was killed by SIGKILL" in lines[1][0]
+    assert "rank 0 of 2 (node 0): lost a peer rank" in lines[0][0]

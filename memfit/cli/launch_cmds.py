@@ -51,13 +51,15 @@ def launch_command(
 
     def failed(cause: str) -> None:
         err_console.print(f"error: {cause}; the run folder keeps its newest complete checkpoint: continue "
-                          "with the same command and --resume on every node", highlight=False, soft_wrap=True)
+                          "with the same command and --resume on every node", markup=False, highlight=False,
+                          soft_wrap=True)
 
     code = launch(run_file, overrides=overrides, resume=resume, single_host=single_host,
                   on_start=banner, on_output=sys.stderr.write, on_failure=failed, **layout)
     if code in (130, 143):  # SIGINT / SIGTERM: torchrun stopped this node's processes
         err_console.print(f"stopped ({'SIGINT' if code == 130 else 'SIGTERM'}): every process on this node "
-                          "ended; continue with the same command and --resume", highlight=False, soft_wrap=True)
+                          "ended; continue with the same command and --resume", markup=False, highlight=False,
+                          soft_wrap=True)
     raise typer.Exit(code)
 
 
