@@ -154,3 +154,21 @@ def test_cpu_pool_counts_every_process_in_one_ram():
     assert all(ram_need(c, pool) == 2 * c.gpu_total + c.cpu_total for c in p.candidates)
     missed = [r for r in p.rejected if r.kind == "memory"]
     assert missed and all(ram_need(r.estimate, pool) > usable for r in missed)
+
+
+def test_meft_listed_says_what_it_buys_and_its_case():
+    """Where MEFT is listed, the explanation says its trainable share, that its store stays in CPU RAM, its
+    case (knowledge-heavy data) and memfit's own miniature result; a plan without MEFT says none of it."""
+    from memfit.plan.search import plan
+    from memfit.spec.hardware import parse_hardware
+    from memfit.spec.model import resolve_model
+
+    model, hw = resolve_model("llama-2-7b"), parse_hardware("1xRTX4090-24GB")
+    p = plan(model, hw, seq_len=1024, micro_batch_size=1, methods=["meft"])
+    e = p.recommended
+    note = [w for w in p.why if w.startswith("MEFT trains")]
+    assert len(note) == 1
+    assert f"{e.trainable_parameters / 1e9:.2f} B parameters ({e.trainable_parameters / model.parameters:.0%}" in note[0]
+    assert f"({e.cpu['meft_store'] / 1e9:.1f} GB) stays in CPU RAM" in note[0]
+    assert "knowledge-heavy" in note[0] and "docs/meft.md" in note[0]
+    assert not any("MEFT" in w for w in plan(model, hw, seq_len=1024, micro_batch_size=1, methods=["lora"]).why)

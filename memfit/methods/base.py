@@ -167,6 +167,11 @@ class Method:
         adapted linears' names. Empty: nothing beyond the family."""
         return {}
 
+    def plan_note(self, estimate: Any) -> str:
+        """A sentence for the planner's explanation where this method is listed: what it buys and where its
+        case is ('' for none)."""
+        return ""
+
     # ---------------------------------------------------------------- training (torch inside)
     def load_kwargs(self, run: Any, compute_dtype: Any, engine: Any, local_rank: int, cuda: bool,
                     notes: list[str]) -> dict[str, Any]:

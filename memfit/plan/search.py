@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
 from memfit.estimate.host import node_ram
+from memfit.methods import METHODS
 from memfit.plan import rules
 from memfit.plan.single import check_margin
 from memfit.plan.space import enumerate_strategies, make_strategy
@@ -248,6 +249,12 @@ def explain_plan(p: Plan) -> list[str]:
             seen.add(_recipe(c.strategy))
             why.append(f"Runner-up {c.strategy.label()}: {_sec(c.step_seconds)} s/step "
                        f"({_pct(c.step_seconds, rec.step_seconds)}), {_memory(c, p.hardware)}.")
+        shown = [rec] + [c for c in p.candidates[1:] if _recipe(c.strategy) in seen]
+        for method in dict.fromkeys(c.strategy.method for c in shown):  # each listed method's own note, once
+            note = METHODS[method].plan_note(next(c for c in shown if c.strategy.method == method)) \
+                if method in METHODS else ""
+            if note:
+                why.append(note)
         # per (method, checkpointing): the faster combination that came closest to fitting
         nearest: dict[tuple, Rejection] = {}
         for r in p.rejected:
