@@ -80,3 +80,21 @@ def dialogue_micro(root):
     model = build_tiny_model(root / "model", cfg, texts=[r["dialogue"] + "\n" + r["summary"] for r in recs])
     data = write_jsonl([{"text": r["dialogue"] + "\n" + r["summary"]} for r in recs], root / "data.jsonl")
     return model, data
+
+
+def lora_dialogue_run(root, tiny_model_dir, name, *, records: int, seq_len: int, **training) -> dict:
+    """The run dict the multi-process tests train: fp32 LoRA (r 4) on ``records`` dialogue records written to
+    ``root``/data.jsonl, the session's tiny model ``name`` (vocab 384), constant learning rate 0.01 plus
+    ``training``'s keys."""
+    from memfit.train.demo import make_dialogue_records, write_jsonl
+
+    recs = make_dialogue_records(records, seed=0)
+    write_jsonl(recs, root / "data.jsonl")
+    model = tiny_model_dir(name, [r["dialogue"] + "\n" + r["summary"] for r in recs], vocab_size=384)
+    return {
+        "model": str(model),
+        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
+        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": seq_len,
+                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
+        "training": {"learning_rate": 0.01, "lr_scheduler": "constant", **training},
+    }

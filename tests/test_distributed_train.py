@@ -42,19 +42,10 @@ def _run(cmd: list, cwd: Path, timeout: int = 900) -> None:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, tiny_model_dir):
-    from memfit.train.demo import make_dialogue_records, write_jsonl
+    from conftest import lora_dialogue_run
 
     root = tmp_path_factory.mktemp("dist")
-    records = make_dialogue_records(48, seed=0)
-    write_jsonl(records, root / "data.jsonl")
-    model = tiny_model_dir("dist", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
-    base = {
-        "model": str(model),
-        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
-        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": 64,
-                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
-        "training": {"max_steps": STEPS, "learning_rate": 0.01, "lr_scheduler": "constant"},
-    }
+    base = lora_dialogue_run(root, tiny_model_dir, "dist", records=48, seq_len=64, max_steps=STEPS)
     import yaml
 
     def write(name, output_dir, cases):

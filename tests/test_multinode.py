@@ -74,21 +74,11 @@ def test_loopback_needs_single_host(tmp_path):
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, tiny_model_dir):
-    from memfit.train.demo import make_dialogue_records, write_jsonl
+    from conftest import lora_dialogue_run
 
     root = tmp_path_factory.mktemp("multinode")
-    records = make_dialogue_records(32, seed=0)
-    write_jsonl(records, root / "data.jsonl")
-    model = tiny_model_dir("multinode", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
-    base = {
-        "model": str(model),
-        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
-        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": 128,
-                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
-        "training": {"max_steps": STEPS, "learning_rate": 0.01, "lr_scheduler": "constant",
-                     "logging_interval": 1},
-        "output_dir": str(root / "ref"),
-    }
+    base = {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=STEPS,
+                                logging_interval=1), "output_dir": str(root / "ref")}
     run_file = root / "run.yaml"
     run_file.write_text(yaml.safe_dump(base))
     # the reference: one node, 2 processes, each engine for STEPS steps (one launch for both)

@@ -56,21 +56,12 @@ def _losses(out):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    from memfit.train.demo import make_dialogue_records, write_jsonl
+    from conftest import lora_dialogue_run
 
     root = tmp_path_factory.mktemp("faults")
-    records = make_dialogue_records(32, seed=0)
-    write_jsonl(records, root / "data.jsonl")
-    model = tiny_model_dir("multinode", [r["dialogue"] + "\n" + r["summary"] for r in records], vocab_size=384)
-    return root, {
-        "model": str(model),
-        "data": {"path": str(root / "data.jsonl"), "format": "dialogue_summary", "eval_fraction": 0.0},
-        "strategy": {"method": "lora", "precision": "fp32", "micro_batch_size": 1, "seq_len": 128,
-                     "lora_dropout": 0.0, "lora_r": 4, "lora_alpha": 8},
-        "training": {"max_steps": 4, "learning_rate": 0.01, "lr_scheduler": "constant",
-                     "checkpoint_interval": 2},
-        "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S},
-    }
+    return root, {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=4,
+                                      checkpoint_interval=2),
+                  "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S}}
 
 
 CASES = {  # engine, fault; the rank fails as it starts step 4: steps 1-3 are logged, checkpoint-2 is complete
