@@ -44,7 +44,6 @@ from memfit.steptime.accuracy import DATA as ACCURACY_FILE  # noqa: E402
 FITTED = {
     "gemm_max_fraction": [0.7, 0.75, 0.8, 0.85, 0.9],  # bounded by the best published fraction (A100 0.87)
     "matmul_sustained_fraction": [0.75, 0.8, 0.85, 0.9, 0.95, 1.0],
-    "gpu_host_op_seconds": [1e-5, 1.5e-5, 2e-5, 2.5e-5, 3e-5, 4e-5, 5e-5, 6e-5],
     "bandwidth_half_bytes": [0.25e6, 0.5e6, 1e6, 2e6, 4e6],
 }
 MIN_TAU = 3

@@ -26,7 +26,10 @@ def test_held_out_figures_on_public_rows_do_not_regress():
     preds, _ = F.held_out(cases)
     s = F.summary(cases, preds)
     assert s["n"] >= 80
-    assert s["median_abs"] <= 0.15  # docs/gpu-time.md: 14.3 % held out (in-sample 11.6 %)
+    assert s["median_abs"] <= 0.12  # docs/gpu-time.md: 10.3 % held out (no fitted constant rests on one group)
+    # memfit's H200 runs: the host constant is measured (not fitted), so leaving them out no longer swings it
+    h200 = [(c, p) for c, p in zip(cases, preds) if c.group == "gpu-check-h200"]
+    assert F.summary([c for c, _ in h200], [p for _, p in h200])["median_abs"] <= 0.15
     fms = [(c, p) for c, p in zip(cases, preds) if c.group == "fms-main"]
     assert F.summary([c for c, _ in fms], [p for _, p in fms])["kendall"]["fms-main/mistral-7b/A100-80GB x1"]["tau"] >= 0.8
 

@@ -126,6 +126,10 @@ def test_host_hooks_by_hand():
     plain = host_ops(TINY, 0, False, False, False, "ddp", prof)
     assert plain == 49 * 2 + 20
     assert host_ops(TINY, 0, False, False, True, "ddp", prof) - plain == 12 * 7 * 2
+    # checkpointing: the recompute at gc_host_fraction (1.2, H200 calibrations) of a layer's 49 ops; a LoRA
+    # adapter's 6 ops per linear again at the forward's share (0.4): 2 x (49 x 2.2 + 42 x 1.4) + 20
+    assert host_ops(TINY, 0, False, True, False, "ddp", prof) == pytest.approx(2 * 49 * 2.2 + 20)
+    assert host_ops(TINY, 7, False, True, False, "ddp", prof) == pytest.approx(2 * (49 * 2.2 + 42 * 1.4) + 20)
     # FSDP: fsdp_unit_ops (40) per unit, the 2 layers + the embedding + the tail
     assert host_ops(TINY, 0, False, False, False, "fsdp", prof) - plain == 40 * 4
     # DeepSpeed ZeRO-2: 30 small ops (cpu_op_seconds, 12 us) per trainable tensor per micro-batch; ZeRO-1 once

@@ -46,9 +46,13 @@ def host_seconds(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: b
 
 
 def host_ops(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: bool, engine: str, profile) -> float:
-    """Module-level host ops of one micro-batch, forward + backward (+ the recomputed forward)."""
-    L, redo = model.layers, 1.0 + (RECOMPUTE_DISPATCH if gc else 0.0)
-    ops = ops_per_layer(model, adapted, eager) * L * redo + 20.0
+    """Module-level host ops of one micro-batch, forward + backward (+ under checkpointing, the recompute at
+    ``gc_host_fraction`` of a layer's ops: torch.utils.checkpoint's machinery costs more than the forward
+    it repeats)."""
+    L, base = model.layers, ops_per_layer(model, 0, eager)
+    adapters = ops_per_layer(model, adapted, eager) - base  # PEFT's wrappers: their forward again, as measured.py
+    ops = L * (base * (1.0 + (profile.gc_host_fraction if gc else 0.0))
+               + adapters * (1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))) + 20.0
     if qlora:
         ops += profile.qlora_call_ops * L * sum(x.count for x in model.linears) * (1.5 if gc else 1.0)
     if engine.startswith("fsdp") or engine == "fsdp":
