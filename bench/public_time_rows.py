@@ -44,7 +44,8 @@ Precision (``precision``): 'pure bf16' / torchtune and Answer.AI 'bf16' (weights
 fp32 master weights (torchtitan MixedPrecisionPolicy, accelerate aligned FSDP, DeepSpeed bf16) -> bf16-mixed.
 Attention: sdpa everywhere except 'flash-attn 2' -> fa2 (all sources use F.scaled_dot_product_attention).
 
-Engines (``engine``, ``cpu_offload``): FSDP / FSDP2 FULL_SHARD -> fsdp='full_shard'; FSDP CPUOffload(offload_params)
+Engines (``engine``, ``cpu_offload``): FSDP / FSDP2 FULL_SHARD -> fsdp='full_shard', fsdp_version 2 where the row
+names FSDP2 / fully_shard, else 1 (``fsdp_version``); FSDP CPUOffload(offload_params)
 and torchtune fsdp_cpu_offload -> fsdp full_shard + offload='optimizer+params' (memfit's FSDP CPU offload: params,
 grads and the optimizer step on the CPU); Answer.AI NO_SHARD ('ddp') -> DDP (gradients all-reduced, as NO_SHARD);
 DeepSpeed ZeRO-3 -> zero_stage=3. ``grad_accumulation`` null -> 1 (noted).
@@ -237,8 +238,17 @@ def _engine(row: dict, count: int) -> dict:
         return {}
     if "fsdp" in eng and ("full_shard" in eng or "fsdp2" in eng):
         off = row.get("cpu_offload") or "cpuoffload(offload_params=true)" in eng or "fsdp_cpu_offload: true" in eng
-        return {"fsdp": "full_shard", **({"offload": "optimizer+params"} if off else {})}
+        return {"fsdp": "full_shard", "fsdp_version": fsdp_version(row),
+                **({"offload": "optimizer+params"} if off else {})}
     raise Skip(f"engine {row.get('engine')!r} not recognised")
+
+
+def fsdp_version(row: dict) -> int:
+    """2 where the row names FSDP2 / fully_shard (torchtitan, torchtune from Sept 2024), else 1: Answer.AI's
+    train.py and torchtune's May 2024 recipes say FSDP1, LitGPT's Fabric FSDPStrategy and accelerate's FSDP
+    plugin of the HF blog's time (2023-24) wrap FullyShardedDataParallel."""
+    text = f"{row.get('engine') or ''} {row.get('framework') or ''}".lower()
+    return 2 if "fsdp2" in text or "fully_shard" in text else 1
 
 
 def _sequence(row: dict, notes: list) -> tuple[int, float]:

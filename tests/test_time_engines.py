@@ -98,3 +98,20 @@ def test_gloo_calibration_times_the_mean_call(monkeypatch):
     assert cb.mean_call_seconds(call, 9) == pytest.approx(2.0e-3)
     slow = iter([1.0] + [0.5e-3, 3.5e-3] * 4 + [0.05])  # 50 ms < 20 x 3.5 ms: kept
     assert cb.mean_call_seconds(call, 9) == pytest.approx((16e-3 + 0.05) / 9)
+
+
+def test_fsdp2_copies_around_its_collectives_and_fsdp1_none():
+    from memfit.steptime.comm import fsdp2_copy_bytes
+
+    # full_shard, 1 GB gathered per all-gather over 4 GPUs, 0.5e9 trainable values with bf16 gradients reduced
+    # in fp32 (2 + 4 bytes), 2 micro-batches: 2 gathers x (2 x 0.25 GB copy-in + 2 x 1 GB copy-out) + 3 GB
+    assert fsdp2_copy_bytes("zero3", 1e9, 4, 0.5e9, 4.0, 2.0, 2) == pytest.approx(2 * (2 * 2.5e9 + 3e9))
+    assert fsdp2_copy_bytes("sgo", 1e9, 4, 0.0, 4.0, 2.0, 1) == pytest.approx(2.5e9)  # one gather per micro-batch
+    # on 8 A100s, FSDP2's step costs exactly its copies more than FSDP1's
+    from memfit.spec.model import resolve_model
+
+    m, hw = resolve_model("llama-2-7b"), parse_hardware("8xA100-80GB")
+    t1, t2 = (estimate(m, hw, Strategy(method="full", fsdp="full_shard", fsdp_version=v, seq_len=2048,
+                                       gradient_checkpointing=True)).time for v in (1, 2))
+    assert t1["fsdp_copy_seconds"] == 0.0 < t2["fsdp_copy_seconds"]
+    assert t2["step_seconds"] - t1["step_seconds"] == pytest.approx(t2["fsdp_copy_seconds"], rel=0.05)

@@ -32,6 +32,21 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
 
 
+def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, g_b: float, e: float, ga: int,
+                     ) -> float:
+    """HBM bytes FSDP2 moves per optimizer step around its collectives that FSDP1 does not (pinned torch,
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Each all-gather: ``all_gather_copy_in``
+    copies the local shards into one input buffer (read + write the shard) and ``foreach_all_gather_copy_out``
+    → ``split_with_sizes_copy`` copies the gathered buffer out into every parameter's own tensor (read +
+    write the whole unit); each reduce-scatter: ``foreach_reduce_scatter_copy_in`` → ``chunk_cat`` lays the
+    unsharded gradients out by rank in the reduce dtype (read the gradients + write them). FSDP1 gathers into
+    the FlatParameter the views already point at and reduce-scatters the flat gradient in place: none of it.
+    Gathers per micro-batch as :func:`comm_parts` counts them (full_shard 2, shard_grad_op 1)."""
+    gathers = 2.0 if engine_kind == "zero3" else 1.0
+    per_gather = 2.0 * gather_bytes / n + 2.0 * gather_bytes
+    return ga * (gathers * per_gather + p_t * (e + g_b))
+
+
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
                      tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False) -> float:
     """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers.

@@ -14,7 +14,7 @@ from typing import Any
 
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
-from memfit.steptime.comm import collective_calls, comm_parts, exposed_comm
+from memfit.steptime.comm import collective_calls, comm_parts, exposed_comm, fsdp2_copy_bytes
 from memfit.steptime.cpu import mmap_threshold, step_fresh_bytes
 from memfit.steptime.engine_host import engine_host_seconds
 from memfit.steptime.host import step_host_seconds
@@ -72,7 +72,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
                                  tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
-    exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0), engine, p, cpu, model.layers)
+    copies_s = 0.0
+    if fsdp and n > 1 and sp.gpu is not None and getattr(st, "fsdp_version", 2) == 2:  # FSDP2's copy-in / -out
+        unit = gather_bytes / (model.layers + 2)
+        copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga) / sp.gpu.bandwidth(unit)
+    exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0) + copies_s, engine, p, cpu, model.layers)
     pcie_b = 0.0
     if off_opt:
         pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
@@ -95,7 +99,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + optim_s + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
+    step = ga * mb["seconds"] + copies_s + optim_s + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
@@ -105,7 +109,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
-            "engine_seconds": engine_s,
+            "engine_seconds": engine_s, "fsdp_copy_seconds": copies_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
             "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
             "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}
