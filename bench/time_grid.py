@@ -42,6 +42,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from grid_profile import use_saved_profile, window_profile  # noqa: E402,F401 - time_grid.window_profile is used by the held-out grid
 
 
 def _measuring_environment() -> None:
@@ -252,23 +255,6 @@ def measure_group(key: str, idx: list[int], cells: list[dict], models: dict[str,
     (out / f"profile-{key}.json").write_text(json.dumps(rates.to_dict(), indent=1))
 
 
-def window_profile(out: Path) -> Path:
-    """``profile.json``: the median of every calibration the run took (two per group, spread through it),
-    the rule memfit's own profile follows (the median of the calibrations in its window); what the report
-    predicts with."""
-    from dataclasses import replace
-
-    from memfit.spec import hwprofile
-
-    groups = sorted(out.glob("profile-*.json"), key=lambda p: p.stat().st_mtime)
-    history = [h for p in groups for h in json.loads(p.read_text()).get("history") or []]
-    last = hwprofile.HardwareRates.from_dict(json.loads(groups[-1].read_text()))
-    merged = hwprofile.median_figures(history)
-    path = out / "profile.json"
-    path.write_text(json.dumps(replace(last, history=history, **merged).to_dict(), indent=1))
-    return path
-
-
 def _measured(rec: dict, again: list[dict]) -> tuple[float, float, float]:
     """(wall ms, CPU ms, spread %): the lowest of the passes' medians (a neighbour on a shared machine only
     ever slows a step), and how far apart the passes were."""
@@ -395,21 +381,6 @@ def main() -> int:
             os.environ["MEMFIT_CACHE"] = user_cache
         print(f"measured in {time.time() - t0:.0f} s; load after: {os.getloadavg()}", file=sys.stderr)
     return report(args.out, models, current_profile=args.current_profile)
-
-
-def use_saved_profile(path: Path, quiet: bool = False) -> None:
-    """Predict with the profile calibrated in the measurements' window (saved beside them), not with
-    whatever this machine's cache holds now: a fresh cache folder holding only that file."""
-    import tempfile
-
-    from memfit.spec import hwprofile
-
-    rates = hwprofile.HardwareRates.from_dict(json.loads(path.read_text()))
-    cache = Path(tempfile.mkdtemp(prefix="memfit-time-grid-cache-"))
-    os.environ["MEMFIT_CACHE"] = str(cache)
-    hwprofile.save(rates, hwprofile.profile_path(rates.fingerprint))
-    if not quiet:
-        print(f"predicting with {path} (measured {rates.measured_at})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import torch
 from memfit.measure.collective_bench import collective_rates
 from memfit.measure.kernels import (Timer, adamw_seconds, attention_rates, bandwidth_rate, copy_rates,
                                     deepspeed_cpu_adam_seconds, dropout_seconds_per_value,
-                                    first_touch_seconds_per_byte, gemm_rates,
-                                    model_overheads, nf4_dequant_rate, nf4_linear_call_seconds, op_seconds)
+                                    first_touch_seconds_per_byte, gemm_rates, op_seconds)
+from memfit.measure.overheads import model_overheads, nf4_dequant_rate, nf4_linear_call_seconds
 from memfit.spec import hwprofile
 
 Progress = Optional[Callable[[str], None]]
