@@ -86,16 +86,13 @@ def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
 
     seen = {}
 
-    class Done:
-        returncode = 3
-
-    def fake_run(cmd, env):
+    def fake_run(cmd, env, on_output, on_failure):
         seen.update(cmd=cmd, env=env)
-        return Done()
+        return 3
 
     from memfit.distributed import preflight
 
-    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(mod, "_run_torchrun", fake_run)
     monkeypatch.setattr(preflight, "before_launch", lambda run: [])  # llama-2-7b is a preset, no weights
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert mod.launch(run_file, nproc=2, overrides=["lora.r=4"]) == 3  # the children's exit status

@@ -9,50 +9,17 @@ and in one shared output folder (FSDP).
 """
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from memfit.distributed.launch import free_port, torchrun_command
+from fault_helper import TIMEOUT, cause_lines, clean_env, launch_nodes, losses
+from memfit.distributed.launch import torchrun_command
 
 
 ENGINES = {"z3": ["strategy.zero_stage=3"], "fsdp": ["strategy.fsdp=full_shard"]}
 STEPS = 3
-TIMEOUT = 600
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1",
-               PYTHONFAULTHANDLER="1")
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def launch_nodes(run_file: Path, sets: list[str], *, nodes: int = 2, resume: bool = False,
-                 per_node_sets=None, env=None) -> list[subprocess.CompletedProcess]:
-    """``memfit launch`` once per node rank, all at once, as on a cluster (one shell per node)."""
-    port = free_port()
-    procs = []
-    for rank in range(nodes):
-        cmd = [sys.executable, "-m", "memfit", "launch", str(run_file), "--nodes", str(nodes), "--node-rank",
-               str(rank), "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "--single-host"]
-        for item in [*sets, *(per_node_sets(rank) if per_node_sets else [])]:
-            cmd += ["--set", item]
-        if resume:
-            cmd.append("--resume")
-        procs.append(subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=TIMEOUT)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
 
 
 def _ok(procs) -> None:
@@ -85,7 +52,7 @@ def nodes(tmp_path_factory, tiny_model_dir):
     cases = root / "cases.json"
     cases.write_text(json.dumps([{"name": k, "set": ["method=lora", *v]} for k, v in ENGINES.items()]))
     ref = subprocess.run(torchrun_command("memfit.measure.engine_matrix", [run_file, cases, root / "ref.json"],
-                                          nproc=2), cwd=root, env=_env(), capture_output=True, text=True,
+                                          nproc=2), cwd=root, env=clean_env(), capture_output=True, text=True,
                          timeout=TIMEOUT)
     _ok([ref])
     results = {"ref": json.loads((root / "ref.json").read_text())["cases"], "root": root}
@@ -136,16 +103,25 @@ def test_summary_names_every_rank(nodes, engine):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_on_node_1_ends_both_nodes(nodes):
-    """kill -9 of rank 1 (node 1) at step 2: both launchers end non-zero within timeout_s, each with one line."""
+def test_a_rank_killed_on_node_1_ends_both_nodes_and_resume_gives_the_same_loss(nodes):
+    """kill -9 of rank 1 (node 1) as it starts step 3: both launchers end non-zero within timeout_s, each
+    with one line; ``--resume`` on both nodes redoes step 3 from checkpoint-2 to the uninterrupted loss."""
     import time
 
     root = nodes["root"]
+    sets = [f"output_dir={root / 'killed'}", "distributed.timeout_s=60", "training.checkpoint_interval=2",
+            *ENGINES["z3"]]
     t0 = time.monotonic()
-    procs = launch_nodes(root / "run.yaml", [f"output_dir={root / 'killed'}", "distributed.timeout_s=60",
-                                             *ENGINES["z3"]], env={"MEMFIT_FAULT_DRILL": "1:2:kill"})
+    procs = launch_nodes(root / "run.yaml", sets, env={"MEMFIT_FAULT_DRILL": "1:3:kill"})
     assert time.monotonic() - t0 < 60 + 240
-    lines = [[ln for ln in p.stderr.splitlines() if ln.startswith("error: ") and "--resume" in ln] for p in procs]
+    lines = [cause_lines(p.stderr) for p in procs]
     assert all(p.returncode != 0 for p in procs) and [len(x) for x in lines] == [1, 1], procs[0].stderr[-2000:]
     assert "rank 1 was killed by SIGKILL" in lines[1][0]
     assert "rank 0 of 2 (node 0): lost a peer rank" in lines[0][0]
+    assert "--resume on every node" in lines[0][0]
+    assert sorted(losses(root / "killed")) == [1, 2] and (root / "killed" / "checkpoint-2").is_dir()
+    resumed = launch_nodes(root / "run.yaml", sets, resume=True)
+    _ok(resumed)
+    after = losses(root / "killed")
+    assert sorted(after) == [1, 2, 3]
+    assert [after[s] for s in (1, 2, 3)] == pytest.approx(nodes["ref"]["z3"]["losses"], rel=1e-4, abs=1e-4)

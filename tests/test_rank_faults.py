@@ -8,7 +8,6 @@ the rank, nothing is left holding the port, the newest complete checkpoint is th
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,42 +15,10 @@ import time
 import pytest
 import yaml
 
+from fault_helper import cause_lines, losses, memfit, port_free, sets
 from memfit.distributed.faults import failure_line, root_cause
 
 TIMEOUT_S = 60  # distributed.timeout_s of these runs: every process must be gone well within it
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MEMFIT_QUIET="1", **extra)
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MEMFIT_FAULT_DRILL"):
-        if key not in extra:
-            env.pop(key, None)
-    return env
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _launch(run_file, port, *args, drill=None):
-    from memfit.distributed.launch import free_port  # noqa: F401 - the port is the caller's
-
-    env = _env(**({"MEMFIT_FAULT_DRILL": drill} if drill else {}))
-    t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "memfit", "launch", str(run_file), "--nproc", "2",
-                        "--master-port", str(port), *args], env=env, capture_output=True, text=True,
-                       timeout=900)
-    return p, time.monotonic() - t0
-
-
-def _losses(out):
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +44,26 @@ def test_a_failing_rank_ends_the_job_and_resume_continues(base, case):
     from memfit.distributed.launch import free_port
 
     root, spec = base
-    sets, drill, says = CASES[case]
+    overrides, drill, says = CASES[case]
     run_file = root / f"{case}.yaml"
     run_file.write_text(yaml.safe_dump({**spec, "output_dir": str(root / case)}))
     port = free_port()
-    sets = [a for s in sets for a in ("--set", s)]
-    failed, took = _launch(run_file, port, *sets, drill=drill)
+    failed, took = memfit("launch", run_file, "--nproc", "2", "--master-port", port, *sets(overrides),
+                          drill=drill)
     assert failed.returncode != 0
     assert took < TIMEOUT_S + 240, took  # (process start-up on a loaded 2-core machine included)
-    cause = [ln for ln in failed.stderr.splitlines() if ln.startswith("error: ") and "--resume" in ln]
+    cause = cause_lines(failed.stderr)
     assert len(cause) == 1 and says in cause[0] and f"rank {drill[0]}" in cause[0], failed.stderr[-3000:]
-    assert _port_free(port)  # no process left holding the rendezvous
+    assert port_free(port)  # no process left holding the rendezvous
     out = root / case
-    before = _losses(out)
+    before = losses(out)
     assert sorted(before) == [1, 2, 3] and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
     if case != "ddp-kill":
         return  # (FSDP's resume from a checkpoint: tests/test_multinode.py; one resume here keeps CI short)
-    resumed, _ = _launch(run_file, free_port(), *sets, "--resume")
+    resumed, _ = memfit("launch", run_file, "--nproc", "2", "--master-port", free_port(), *sets(overrides),
+                        "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = _losses(out)
+    after = losses(out)
     assert sorted(after) == [1, 2, 3, 4]
     assert after[3] == pytest.approx(before[3], rel=1e-5, abs=1e-6)  # step 3 again, from checkpoint-2
     assert json.loads((out / "summary.json").read_text())["resumed_from"].endswith("checkpoint-2")

@@ -23,7 +23,7 @@ def launch_command(
 ) -> None:
     """Train RUN on this node's processes; run the same command on every node with its --node-rank."""
     from memfit.distributed.config import world_size
-    from memfit.distributed.launch import launch, launch_command as build, layout_overrides
+    from memfit.distributed.launch import launch_command as build, layout_overrides
     from memfit.spec.run import load_run
 
     overrides = list(overrides or [])
@@ -47,20 +47,33 @@ def launch_command(
                           f"{layout['nodes']}, {layout['nproc']} process(es) here, world size "
                           f"{world_size(run)}, rendezvous {layout['master_addr']}:{layout['master_port']}")
 
+    code = launch_reported(run_file, overrides=overrides, resume=resume, single_host=single_host,
+                           on_start=banner, **layout)
+    raise typer.Exit(code)
+
+
+def launch_reported(run_file, *, on_start=None, **kwargs) -> int:
+    """:func:`memfit.distributed.launch.launch` as every command runs it (``memfit launch``, ``memfit
+    train --nproc N``, ``memfit demo --nproc N``): torchrun's output passed through, one ``error:`` line
+    naming the rank that failed first, and after a SIGINT / SIGTERM the line saying every process of
+    this node ended. Both say how to resume. Returns the exit status."""
     import sys
+
+    from memfit.cli.output import err_console
+    from memfit.distributed.launch import STOP_CODES, launch
+
+    again = "the same command and --resume" + (" on every node" if kwargs.get("nodes", 1) > 1 else "")
 
     def failed(cause: str) -> None:
         err_console.print(f"error: {cause}; the run folder keeps its newest complete checkpoint: continue "
-                          "with the same command and --resume on every node", markup=False, highlight=False,
-                          soft_wrap=True)
+                          f"with {again}", markup=False, highlight=False, soft_wrap=True)
 
-    code = launch(run_file, overrides=overrides, resume=resume, single_host=single_host,
-                  on_start=banner, on_output=sys.stderr.write, on_failure=failed, **layout)
-    if code in (130, 143):  # SIGINT / SIGTERM: torchrun stopped this node's processes
-        err_console.print(f"stopped ({'SIGINT' if code == 130 else 'SIGTERM'}): every process on this node "
-                          "ended; continue with the same command and --resume", markup=False, highlight=False,
-                          soft_wrap=True)
-    raise typer.Exit(code)
+    code = launch(run_file, on_start=on_start, on_output=sys.stderr.write, on_failure=failed, **kwargs)
+    names = {c: name for name, c in STOP_CODES.items()}
+    if code in names:  # torchrun stopped this node's processes
+        err_console.print(f"stopped ({names[code]}): every process on this node ended; continue with "
+                          f"{again}", markup=False, highlight=False, soft_wrap=True)
+    return code
 
 
 def _show_plan(run, cmd: list[str], as_json: bool) -> None:

@@ -183,14 +183,15 @@ def train_command(
     nproc = d.nproc if nproc is None else nproc
     nodes = d.nodes if nodes is None else nodes
     if (nproc > 1 or nodes > 1) and not fallback:
-        from memfit.distributed.launch import launch
+        from memfit.cli.launch_cmds import launch_reported
 
         with _saved(run if run_path is None else None) as saved:
-            rc = launch(str(saved or run_path), nproc=nproc, nodes=nodes,
-                        node_rank=d.node_rank if node_rank is None else node_rank,
-                        master_addr=master_addr or d.master_addr, master_port=master_port or d.master_port,
-                        overrides=overrides if saved is None else [], resume=resume,
-                        overwrite=overwrite)  # rank 0 prints progress and the summary
+            rc = launch_reported(str(saved or run_path), nproc=nproc, nodes=nodes,
+                                 node_rank=d.node_rank if node_rank is None else node_rank,
+                                 master_addr=master_addr or d.master_addr,
+                                 master_port=master_port or d.master_port,
+                                 overrides=overrides if saved is None else [], resume=resume,
+                                 overwrite=overwrite)  # rank 0 prints progress and the summary
         raise typer.Exit(int(rc or 0))
     if fallback:
         from memfit.train.fallback import train_with_fallback
@@ -257,10 +258,10 @@ def demo_command(
         console.print(f"training [bold]{run.strategy.label()}[/bold], {run.training.max_steps} steps, "
                       f"seq_len {run.strategy.seq_len}, micro-batch {run.strategy.micro_batch_size}")
     if run.distributed.nproc > 1:
-        from memfit.distributed.launch import launch
+        from memfit.cli.launch_cmds import launch_reported
 
         with _saved(run) as run_path:
-            rc = launch(str(run_path), nproc=run.distributed.nproc, overwrite=overwrite)
+            rc = launch_reported(str(run_path), nproc=run.distributed.nproc, overwrite=overwrite)
         raise typer.Exit(int(rc or 0))
     result = _run_training(run, resume=False, as_json=as_json, overwrite=overwrite)
     _show(result, as_json)

@@ -121,9 +121,10 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
     preflight.before_launch`: model folder, planner rules, engines) are validated first, as one error
     line, so a mistake does not start ``nproc`` processes that all fail the same way. ``on_start(run)``
     is called once that passed, just before the processes start (the CLI prints what it launches).
-    ``on_output(line)``: the processes' stderr goes through it (else straight to this stderr), so that
+    ``on_output(line)``: the processes' stderr goes through it (default: on to this stderr), so that
     on a failure ``on_failure(line)`` gets one line naming the first rank that failed and why
-    (:func:`memfit.distributed.faults.root_cause`).
+    (:func:`memfit.distributed.faults.root_cause`). A SIGINT / SIGTERM stops every process of this node
+    (:func:`_run_torchrun`) and returns 130 / 143.
     """
     from memfit.distributed.preflight import before_launch
     from memfit.errors import IncompatibleError
@@ -143,17 +144,22 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
         on_start(run)
     env = launch_env(nproc=nproc * nodes if single_host else nproc)
     try:
-        if on_output is None:
-            return subprocess.run(cmd, env=env).returncode
-        return _run_torchrun(cmd, env, on_output, on_failure)
-    except KeyboardInterrupt:  # torchrun forwards the signal to its workers and exits
+        return _run_torchrun(cmd, env, on_output or sys.stderr.write, on_failure)
+    except KeyboardInterrupt:  # before the handlers were in place: torchrun had not started its workers
         return 130
+
+
+STOP_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}  # a stop's exit status: 128 + the signal
 
 
 def _run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str], None],
                   on_failure: Optional[Callable[[str], None]]) -> int:
     """Run torchrun to its end, its stderr passed line by line to ``on_output``; its tail names a
-    failure. A SIGTERM to this process is passed on to torchrun (it stops its workers), then 143."""
+    failure. torchrun runs in a session of its own, and a SIGINT / SIGTERM / SIGHUP to this process is
+    passed on to it once (it stops its workers: the same signal, SIGKILL after 30 s), so a Ctrl-C in the
+    terminal reaches torchrun exactly once and never this process's ``subprocess`` teardown, which would
+    SIGKILL torchrun and leave its workers running. Waits until every worker closed its stderr, then
+    returns 130 / 143 / 129."""
     import signal
     import threading
     from collections import deque
@@ -162,21 +168,46 @@ def _run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str]
 
     tail: deque = deque(maxlen=400)
     stopped: list[int] = []
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                          start_new_session=True) as proc:
+        def stop(signum, _frame) -> None:
+            if not stopped:
+                proc.send_signal(signum)
+            stopped.append(128 + signum)
+
         main = threading.current_thread() is threading.main_thread()
-        before = signal.signal(signal.SIGTERM, lambda *_: (stopped.append(1), proc.terminate())) if main else None
+        sigs = [getattr(signal, name) for name in STOP_CODES]
+        before = {s: signal.signal(s, stop) for s in sigs} if main else {}
         try:
+            held: list[str] = []  # from the newest traceback on (torchrun's own ends its output)
             for line in proc.stderr:  # type: ignore[union-attr]
                 tail.append(line)
-                on_output(line)
+                if line.startswith(_TRACEBACK):
+                    held, earlier = [line], held
+                    for text in earlier:
+                        on_output(text)
+                elif held:
+                    held.append(line)
+                else:
+                    on_output(line)
             code = proc.wait()
         finally:
-            if main:
-                signal.signal(signal.SIGTERM, before)
-    if stopped:
-        return 143
-    if code != 0 and on_failure is not None:
-        cause = root_cause("".join(tail))
-        if cause:
-            on_failure(cause)
-    return code
+            for s, handler in before.items():
+                signal.signal(s, handler)
+    cause = root_cause("".join(tail)) if code != 0 and not stopped and on_failure is not None else None
+    if not ((stopped or cause) and _torchrun_exit(held)):  # the one line below says it instead
+        for text in held:
+            on_output(text)
+    if cause:
+        on_failure(cause)  # type: ignore[misc]
+    return stopped[0] if stopped else code
+
+
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def _torchrun_exit(lines: list[str]) -> bool:
+    """Whether ``lines`` are torchrun's own traceback as it ends (its workers failed, or it was stopped by
+    a signal) with its failure report: what memfit's one line replaces."""
+    text = "".join(lines)
+    return "torch/distributed/run.py" in text and ("ChildFailedError" in text or "SignalException" in text)

@@ -52,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
             fail_fast(2)
         return 2
-    except (KeyboardInterrupt, TrainingInterrupted) as err:
-        print(str(err) or "interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, TrainingInterrupted) as err:  # the step and how to resume, said once
+        from memfit.distributed.ranks import is_main_process
+
+        if is_main_process():
+            print(str(err) or "interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # one rank of several failed: say which, end now (the peers follow)
         from memfit.distributed.ranks import rank_info
