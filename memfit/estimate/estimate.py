@@ -60,19 +60,20 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- what is live at the same time: the step's peak (memfit.estimate.peak) -----------------------
     static = (states.weights - states.autocast_copy + states.optim + (adapter.buffers - adapter.buffers_saved)
               + bufs.gathered + bufs.comm - bufs.layer_bufs - bufs.tail_bufs - bufs.root_bufs - bufs.root_grad)
-    peak = step_peak(run, states, bufs, saved, step_temp, attention)
+    peak = step_peak(run, states, bufs, saved, step_temp, attention, params)
     # the activations line: the saved tensors + the working memory the peak phase holds beyond them
     acts = saved.act_in + saved.act_layers + saved.act_tail + peak.held
     adapter_acts = adapter.intermediates + adapter.buffers_saved
+    grads_line = max(states.grads, peak.accum_grads)  # FSDP + accumulation: the unsharded gradients (peak.py)
     lines_sum = (static + bufs.layer_bufs + bufs.tail_bufs + bufs.root_bufs + bufs.root_grad + states.autocast_copy
-                 + states.grads + acts
+                 + grads_line + acts
                  + saved.logits + adapter_acts + step_temp)
     formula = static + peak.phase
     cuda_ctx = CU.context_bytes(gpu, profile)
     nccl = CU.nccl_bytes(hardware, profile)
     frag = fragmentation(run, params, saved, peak, formula)
     overhead = cuda_ctx + nccl + frag
-    gpu_lines = {"weights": states.weights, "gradients": states.grads, "optimizer": states.optim,
+    gpu_lines = {"weights": states.weights, "gradients": grads_line, "optimizer": states.optim,
                  "activations": acts, "logits": saved.logits, "lora_intermediates": adapter.intermediates,
                  "meft_buffers": adapter.buffers, "gathered_params": bufs.gathered, "comm_buffers": bufs.comm,
                  "step_temporaries": step_temp, "peak_concurrency": static + peak.phase - lines_sum,

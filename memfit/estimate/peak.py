@@ -7,6 +7,17 @@ throughout. Phases: A = start of backward (all saved activations + logits); F = 
 forward; with checkpointing B1 = last layer recomputing (inputs + its working set + logits' grads); B2 =
 backward at the first layer (its working set + nearly all gradients); C = the optimizer step (grads +
 step temporaries).
+
+FSDP with accumulation keeps *unsharded* gradients between micro-batches: accelerate's ``no_sync`` (what the HF
+Trainer enters for every micro-batch but the last) is ``FullyShardedDataParallel.no_sync`` for FSDP1 and
+``set_requires_gradient_sync(False)`` for FSDP2 (accelerate/accelerator.py ``no_sync``); Lightning Fabric's
+``no_backward_sync`` is FSDP1's ``no_sync`` too. FSDP1's post-backward hook then returns before the reduce-scatter
+(torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``: ``if not state._sync_gradients: ... return``;
+``no_sync``'s note: "FSDP will accumulate the full model gradients (instead of gradient shards) until the
+eventual sync"), and FSDP2's keeps the unsharded gradient (_fully_shard/_fsdp_param_group.py ``post_backward``:
+``if not self.reduce_grads: ... to_accumulated_grad_if_needed(); return``). So every unit's whole gradient, at
+the dtype it is reduced in, is live from the first micro-batch's backward until the last one's reduce-scatter
+(``unsharded_grads``); the optimizer step sees the sharded gradients only.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memfit.estimate import cuda as CU
+from memfit.estimate import fsdp1 as F1
 from memfit.estimate.saved import Saved
 from memfit.estimate.setup import Setup
 from memfit.estimate.states import Buffers, States
@@ -25,6 +37,15 @@ class Peak(NamedTuple):
     held: float             # the activation working memory that phase holds beyond the saved tensors
     step_phase: float       # bytes of phase C (the optimizer step)
     mask: float             # the causal mask checkpointing keeps as a layer input (eager)
+    accum_grads: float = 0.0  # gradients kept between micro-batches (FSDP's no_sync: unsharded), else 0
+
+
+def unsharded_grads(run: Setup, params: Parameters, bufs: Buffers) -> float:
+    """Bytes of the gradients FSDP keeps unsharded between micro-batches under ``no_sync`` (module docstring):
+    every trainable parameter at the dtype it is reduced in; 0 without accumulation or without FSDP."""
+    if not run.fsdp or run.strategy.grad_accum <= 1:
+        return 0.0
+    return params.trainable * bufs.grad_comm_b
 
 
 def step_temporaries(run: Setup, params: Parameters, engine_step_temp: float) -> float:
@@ -41,7 +62,8 @@ def step_temporaries(run: Setup, params: Parameters, engine_step_temp: float) ->
     return step_temp
 
 
-def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp: float, attention: str) -> Peak:
+def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp: float, attention: str,
+              params: Parameters) -> Peak:
     model, p, nums, st = run.model, run.profile, run.numbers, run.strategy
     s, b, e, gc = st.seq_len, st.micro_batch_size, run.value_b, run.gc
     grads, autocast_copy, logits, tail_bufs = states.grads, states.autocast_copy, saved.logits, bufs.tail_bufs
@@ -51,6 +73,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
     g_keep = grads if st.grad_accum > 1 or (run.engine == "zero3" and not run.fsdp) else 0.0
     g_free = grads - g_keep
+    accum = unsharded_grads(run, params, bufs)  # FSDP's no_sync: whole gradients until the last micro-batch
+    g_keep = max(g_keep, accum)
     # act_bwd: one layer's backward working memory (eager's score gradients; + the causal mask that
     # checkpointing keeps as a layer input, live from the forward on)
     mask = float(b) * s * s * (4.0 if (e == 4.0 or saved.autocast) else e) if gc and attention == "eager" else 0.0
@@ -86,11 +110,13 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
-    if bufs.end_extra:  # E (FSDP1, full fine-tuning): the backward's end, the root's gradient made and reduced
-        phases.append((grads + root + root_g + bufs.end_extra, 0.0))
+    if bufs.end_extra:  # E (FSDP1, full fine-tuning): the backward's end, the root's gradient made and reduced;
+        # under no_sync beside every unit's unsharded gradient, and not reduce-scattered (no shard-sized output)
+        rs_out = F1.root_parameters(model) * e / run.world if accum else 0.0
+        phases.append((max(grads, accum) + root + root_g + bufs.end_extra - rs_out, 0.0))
     phases.append((grads + step_temp, 0.0))  # C: the optimizer step
     phase, held = max(phases)
-    return Peak(phase, held, phases[-1][0], mask)
+    return Peak(phase, held, phases[-1][0], mask, accum)
 
 
 def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, formula: float) -> float:
