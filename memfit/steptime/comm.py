@@ -21,7 +21,9 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     (runtime/utils.py ``all_gather_into_tensor_dp_groups``). shard_grad_op: reduce-scatter every micro-batch
     and gathers all params once per micro-batch. zero3/full_shard: every micro-batch gathers all weights in
     forward and again in backward (ZeRO-3: and in recomputation; FSDP2's recomputes under the backward's
-    gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py)."""
+    gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py):
+    ZeRO-3 every micro-batch, FSDP once per step (accelerate's ``no_sync`` holds the micro-batches' gradients
+    unsharded until the last one)."""
     if engine_kind == "ddp":
         return {"all_reduce": 2.0 * p_t * g_b}
     if engine_kind in ("zero1", "zero2"):
@@ -29,7 +31,10 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     if engine_kind == "sgo":
         return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
     gathers = 3.0 if checkpointing and not fsdp else 2.0
-    return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": ga * p_t * g_b}
+    # FSDP under accumulation: accelerate's no_sync (memfit.estimate.peak) reduce-scatters once, at the last
+    # micro-batch; DeepSpeed ZeRO-3 reduces every micro-batch's gradients into its partitions
+    reductions = 1 if fsdp else ga
+    return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": reductions * p_t * g_b}
 
 
 def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, g_b: float, e: float, ga: int,
@@ -44,7 +49,7 @@ def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, 
     Gathers per micro-batch as :func:`comm_parts` counts them (full_shard 2, shard_grad_op 1)."""
     gathers = 2.0 if engine_kind == "zero3" else 1.0
     per_gather = 2.0 * gather_bytes / n + 2.0 * gather_bytes
-    return ga * (gathers * per_gather + p_t * (e + g_b))
+    return ga * gathers * per_gather + p_t * (e + g_b)  # one reduce-scatter per step (no_sync: comm_parts)
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
@@ -57,10 +62,11 @@ def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, chec
     bucket alone: min(trainable tensors, P_t / bucket) all-reduces per reduction (counted on a 2-rank gloo
     run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters. FSDP2, L + 2
     groups as accelerate wraps (fsdp_utils.py: layers, input embedding, [norm, lm_head]): per micro-batch a
-    gather per group, again in backward but the tail's (full_shard), a reduce-scatter per group (11 + 6)."""
+    gather per group, again in backward but the tail's (full_shard); a reduce-scatter per group once per step
+    (no_sync under accumulation; 11 + 6 at one micro-batch)."""
     if fsdp and engine_kind in ("zero3", "sgo"):
         groups = layers + 2
-        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0) + groups))
+        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0)) + groups)
     if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
         per = min(tensors, math.ceil(p_t / reduce_bucket))
         return float((ga if engine_kind == "zero2" else 1) * per + 1)

@@ -56,7 +56,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     local = p_t / (n if shard_o else 1)
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
-    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, fsdp)
     if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
         share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
