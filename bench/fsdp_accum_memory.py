@@ -55,7 +55,7 @@ def worker(case: str, accum: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**PEAK_RAW, attn_implementation="sdpa"))
-    st = _peak_strategy(case).model_copy(update={"grad_accum": accum})
+    st = _peak_strategy(case).model_copy(update={"grad_accum": accum, "fsdp_sync_each_batch": False})  # no_sync
     if st.method == "lora":
         from peft import LoraConfig, get_peft_model
 

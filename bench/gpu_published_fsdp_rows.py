@@ -200,8 +200,11 @@ def convert(row: dict) -> FsdpCase:
     hardware = ptr._hardware(row, hw_notes)
     notes += hw_notes
     metric, why, measured = _published(row, notes)
+    # accumulation: Fabric's no_backward_sync is FSDP1's no_sync (gradients held whole until the last
+    # micro-batch); torchtune's and torchtitan's recipes reduce every micro-batch
+    no_sync = row["source_group"] == "litgpt"
     strategy = Strategy(method=method, fsdp="full_shard", fsdp_version=version, seq_len=_sequence(row, notes),
-                        micro_batch_size=int(row["micro_batch_size"]),
+                        micro_batch_size=int(row["micro_batch_size"]), fsdp_sync_each_batch=not no_sync,
                         grad_accum=int(row.get("grad_accumulation") or 1), **lora, **kw)
     return FsdpCase(row["id"], row["source_group"], _source(row), f"FSDP{version} ({where})", _model(row), hardware,
                     strategy, metric, why, measured, row.get("reliability") or "", kind, notes)

@@ -99,3 +99,19 @@ def test_engines_accept_what_memfit_writes(strategy, device, tmp_path):
     cluster = ClusterConfig.from_yaml_file(str(path))
     want = "DEEPSPEED" if run.strategy.zero_stage else "FSDP" if run.strategy.fsdp else "NO"
     assert str(cluster.distributed_type).endswith(want)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_fsdp_trainer_kwargs_carry_sync_each_batch(monkeypatch, tmp_path, sync):
+    """memfit's FSDP runs reduce every micro-batch (accelerate's sync_each_batch, which transformers' Trainer reads
+    from accelerator_config.gradient_accumulation_kwargs) unless the run asks for the HF Trainer's no_sync.
+    (Checked end to end on 2 gloo processes: the Trainer's accelerator held sync_each_batch True / unset.)"""
+    from memfit.distributed import engines
+    from memfit.distributed.engines import fsdp as fsdp_engine
+
+    monkeypatch.setattr(fsdp_engine, "_sharded_trainer_kwargs",
+                        lambda engine, run, out: {"accelerator_config": {"use_configured_state": True}})
+    run = _run(fsdp="full_shard", fsdp_sync_each_batch=sync)
+    kwargs = engines.for_run(run).trainer_kwargs(run, tmp_path)
+    assert kwargs["accelerator_config"] == {"use_configured_state": True,
+                                            "gradient_accumulation_kwargs": {"sync_each_batch": sync}}

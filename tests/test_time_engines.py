@@ -18,9 +18,10 @@ def test_fsdp2_collectives_one_per_wrapped_group():
     # forward, 5 again in backward (the tail keeps its weights), 6 reduce-scatters = 17 (a 2-rank gloo run of
     # the h-256 Llama: 11 + 6 per step); no byte buckets (FSDP2 issues one collective per group)
     assert collective_calls("zero3", 4, 3e7, 1, False, fsdp=True) == 17
-    # two micro-batches: gathers per micro-batch, reduce-scatters once (the HF Trainer enters accelerate's
-    # no_sync for every micro-batch but the last: transformers trainer.py, accelerate Accelerator.no_sync)
-    assert collective_calls("zero3", 4, 3e7, 2, False, fsdp=True) == 2 * 11 + 6
+    assert collective_calls("zero3", 4, 3e7, 2, False, fsdp=True) == 34  # per micro-batch (sync_each_batch)
+    # under the HF Trainer's no_sync the reduce-scatters come once, at the last micro-batch (transformers
+    # trainer.py enters accelerate's no_sync for every micro-batch but the last unless sync_each_batch)
+    assert collective_calls("zero3", 4, 3e7, 2, False, fsdp=True, no_sync=True) == 2 * 11 + 6
     # checkpointing: FSDP2's recomputation runs after the pre-backward gather (counted: 6 + 5 gathers as without)
     assert collective_calls("zero3", 4, 3e7, 1, True, fsdp=True) == 17
     assert collective_calls("sgo", 4, 3e7, 1, False, fsdp=True) == 6 + 6  # gathered once per micro-batch
@@ -32,9 +33,10 @@ def test_fsdp2_gathers_twice_per_micro_batch_with_or_without_checkpointing():
     from memfit.steptime.comm import comm_parts
 
     # 10 MB of weights, 1e6 trainable parameters of 4-byte gradients, 2 micro-batches
-    # FSDP reduce-scatters once per step under the Trainer's no_sync; DeepSpeed ZeRO-3 every micro-batch
     assert comm_parts("zero3", 0, 1e7, 1e6, 4, 4, 2, True, fsdp=True) == {"all_gather": 2 * 2 * 1e7,
-                                                                         "reduce_scatter": 4e6}
+                                                                         "reduce_scatter": 2 * 4e6}
+    # FSDP under the HF Trainer's no_sync reduce-scatters once per step; DeepSpeed ZeRO-3 every micro-batch
+    assert comm_parts("zero3", 0, 1e7, 1e6, 4, 4, 2, True, fsdp=True, no_sync=True)["reduce_scatter"] == 4e6
     assert comm_parts("zero3", 0, 1e7, 1e6, 4, 4, 2, True) == {"all_gather": 2 * 3 * 1e7, "reduce_scatter": 2 * 4e6}
 
 
@@ -107,9 +109,10 @@ def test_fsdp2_copies_around_its_collectives_and_fsdp1_none():
     from memfit.steptime.comm import fsdp2_copy_bytes
 
     # full_shard, 1 GB gathered per all-gather over 4 GPUs, 0.5e9 trainable values with bf16 gradients reduced
-    # in fp32 (2 + 4 bytes), 2 micro-batches: 2 x 2 gathers x (2 x 0.25 GB copy-in + 2 x 1 GB copy-out) + 3 GB
-    # (the reduce-scatter's copy-in once per step: the Trainer's no_sync)
-    assert fsdp2_copy_bytes("zero3", 1e9, 4, 0.5e9, 4.0, 2.0, 2) == pytest.approx(2 * 2 * 2.5e9 + 3e9)
+    # in fp32 (2 + 4 bytes), 2 micro-batches: 2 x (2 gathers x (2 x 0.25 GB copy-in + 2 x 1 GB copy-out) + 3 GB)
+    assert fsdp2_copy_bytes("zero3", 1e9, 4, 0.5e9, 4.0, 2.0, 2) == pytest.approx(2 * (2 * 2.5e9 + 3e9))
+    # under no_sync the reduce-scatter's copy-in comes once per step
+    assert fsdp2_copy_bytes("zero3", 1e9, 4, 0.5e9, 4.0, 2.0, 2, no_sync=True) == pytest.approx(2 * 2 * 2.5e9 + 3e9)
     assert fsdp2_copy_bytes("sgo", 1e9, 4, 0.0, 4.0, 2.0, 1) == pytest.approx(2.5e9)  # one gather per micro-batch
     # on 8 A100s, FSDP2's step costs exactly its copies more than FSDP1's
     from memfit.spec.model import resolve_model

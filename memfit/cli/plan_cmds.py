@@ -39,6 +39,10 @@ def _strategy_options() -> dict[str, Any]:
         fsdp_version=typer.Option(None, "--fsdp-version", help="1 (FullyShardedDataParallel, accelerate's "
                                   "FSDP plugin) | 2 (fully_shard; the default). plan: search only this "
                                   "version's FSDP (default: both)", rich_help_panel=S),
+        fsdp_sync_each_batch=typer.Option(None, "--fsdp-sync-each-batch/--fsdp-no-sync", help="FSDP with "
+                                          "--grad-accum > 1: reduce every micro-batch, gradients sharded (the "
+                                          "default) or the HF Trainer's no_sync (whole gradients held).",
+                                          rich_help_panel=S),
         offload=typer.Option(None, "--offload", help="none | optimizer | optimizer+params", rich_help_panel=S),
         gradient_checkpointing=typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
                                             help="Recompute activations in backward.", rich_help_panel=S),
@@ -348,7 +352,7 @@ def _with_strategy_flags(fn: Any) -> Any:
     sig = inspect.signature(fn, eval_str=True)
     kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
              "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool,
-             "lora_rslora": bool}
+             "lora_rslora": bool, "fsdp_sync_each_batch": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

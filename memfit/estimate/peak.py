@@ -8,8 +8,9 @@ forward; with checkpointing B1 = last layer recomputing (inputs + its working se
 backward at the first layer (its working set + nearly all gradients); C = the optimizer step (grads +
 step temporaries).
 
-FSDP with accumulation keeps *unsharded* gradients between micro-batches: accelerate's ``no_sync`` (what the HF
-Trainer enters for every micro-batch but the last) is ``FullyShardedDataParallel.no_sync`` for FSDP1 and
+FSDP with accumulation under ``no_sync`` (``fsdp_sync_each_batch=false``) keeps *unsharded* gradients between
+micro-batches: accelerate's ``no_sync`` (what the HF Trainer enters for every micro-batch but the last unless
+accelerate's ``sync_each_batch`` is set, as memfit's trainer sets it by default) is ``FullyShardedDataParallel.no_sync`` for FSDP1 and
 ``set_requires_gradient_sync(False)`` for FSDP2 (accelerate/accelerator.py ``no_sync``); Lightning Fabric's
 ``no_backward_sync`` is FSDP1's ``no_sync`` too. FSDP1's post-backward hook then returns before the reduce-scatter
 (torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``: ``if not state._sync_gradients: ... return``;
@@ -43,7 +44,7 @@ class Peak(NamedTuple):
 def unsharded_grads(run: Setup, params: Parameters, bufs: Buffers) -> float:
     """Bytes of the gradients FSDP keeps unsharded between micro-batches under ``no_sync`` (module docstring):
     every trainable parameter at the dtype it is reduced in; 0 without accumulation or without FSDP."""
-    if not run.fsdp or run.strategy.grad_accum <= 1:
+    if not run.fsdp or run.strategy.grad_accum <= 1 or run.strategy.fsdp_sync_each_batch:
         return 0.0
     return params.trainable * bufs.grad_comm_b
 

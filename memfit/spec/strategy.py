@@ -54,6 +54,12 @@ class Strategy(BaseModel):
     fsdp_version: FsdpVersion = Field(2, description="1: FullyShardedDataParallel (FlatParameter, accelerate's "
                                       "FSDP plugin as accelerate/fms-hf-tuning/Answer.AI configure it); 2: "
                                       "fully_shard. Without fsdp it is ignored (always 2)")
+    fsdp_sync_each_batch: bool = Field(True, description="FSDP with grad_accum > 1: reduce-scatter every "
+                                       "micro-batch, so gradients stay sharded (memfit's trainer sets accelerate's "
+                                       "sync_each_batch; torchtune and torchtitan do the same); false: the HF "
+                                       "Trainer's default no_sync, every gradient kept unsharded until the last "
+                                       "micro-batch (one reduce-scatter per step, a whole model's gradients of "
+                                       "memory). Without FSDP or accumulation it is ignored (always true)")
     offload: Offload = "none"
     gradient_checkpointing: bool = False
     attention: Attention = "sdpa"
@@ -127,6 +133,10 @@ class Strategy(BaseModel):
         # (a run file or --set that turns FSDP off keeps working, and DDP/ZeRO never differ by it)
         if isinstance(data, dict) and not data.get("fsdp") and data.get("fsdp_version", 2) != 2:
             data = {**data, "fsdp_version": 2}
+        # likewise fsdp_sync_each_batch: it decides something only under FSDP with accumulation
+        if isinstance(data, dict) and "fsdp_sync_each_batch" in data and (
+                not data.get("fsdp") or int(data.get("grad_accum", 1) or 1) <= 1):
+            data = {**data, "fsdp_sync_each_batch": True}
         return data
 
     @model_validator(mode="after")
@@ -173,6 +183,8 @@ class Strategy(BaseModel):
         parts.append(self.attention)
         if self.offload != "none":
             parts.append(f"offload:{self.offload}")
+        if not self.fsdp_sync_each_batch:
+            parts.append("no-sync")
         if self.loss != "standard":
             parts.append(f"{self.loss}-ce")
         return "+".join(parts)

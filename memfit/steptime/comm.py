@@ -10,7 +10,7 @@ BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's red
 
 
 def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: float, g_b: float, w_b: float,
-               ga: int, checkpointing: bool, fsdp: bool = False) -> dict[str, float]:
+               ga: int, checkpointing: bool, fsdp: bool = False, no_sync: bool = False) -> dict[str, float]:
     """Bytes per optimizer step each GPU's collectives move, by primitive (bus convention: an all-reduce of
     S bytes counts 2·S, an all-gather its gathered output, a reduce-scatter its full input).
 
@@ -22,8 +22,8 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     and gathers all params once per micro-batch. zero3/full_shard: every micro-batch gathers all weights in
     forward and again in backward (ZeRO-3: and in recomputation; FSDP2's recomputes under the backward's
     gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py):
-    ZeRO-3 every micro-batch, FSDP once per step (accelerate's ``no_sync`` holds the micro-batches' gradients
-    unsharded until the last one)."""
+    every micro-batch, but once per step for FSDP under accelerate's ``no_sync`` (``fsdp_sync_each_batch=false``:
+    the micro-batches' gradients held unsharded until the last one)."""
     if engine_kind == "ddp":
         return {"all_reduce": 2.0 * p_t * g_b}
     if engine_kind in ("zero1", "zero2"):
@@ -31,14 +31,13 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     if engine_kind == "sgo":
         return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
     gathers = 3.0 if checkpointing and not fsdp else 2.0
-    # FSDP under accumulation: accelerate's no_sync (memfit.estimate.peak) reduce-scatters once, at the last
-    # micro-batch; DeepSpeed ZeRO-3 reduces every micro-batch's gradients into its partitions
-    reductions = 1 if fsdp else ga
+    # FSDP under accelerate's no_sync (memfit.estimate.peak) reduce-scatters once, at the last micro-batch
+    reductions = 1 if fsdp and no_sync else ga
     return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": reductions * p_t * g_b}
 
 
 def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, g_b: float, e: float, ga: int,
-                     ) -> float:
+                     no_sync: bool = False) -> float:
     """HBM bytes FSDP2 moves per optimizer step around its collectives that FSDP1 does not (pinned torch,
     torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Each all-gather: ``all_gather_copy_in``
     copies the local shards into one input buffer (read + write the shard) and ``foreach_all_gather_copy_out``
@@ -49,11 +48,12 @@ def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, 
     Gathers per micro-batch as :func:`comm_parts` counts them (full_shard 2, shard_grad_op 1)."""
     gathers = 2.0 if engine_kind == "zero3" else 1.0
     per_gather = 2.0 * gather_bytes / n + 2.0 * gather_bytes
-    return ga * gathers * per_gather + p_t * (e + g_b)  # one reduce-scatter per step (no_sync: comm_parts)
+    return ga * gathers * per_gather + (1 if no_sync else ga) * p_t * (e + g_b)  # reductions as comm_parts
 
 
 def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, checkpointing: bool,
-                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False) -> float:
+                     tensors: float = 0.0, p_t: float = 0.0, reduce_bucket: float = 0.0, fsdp: bool = False,
+                     no_sync: bool = False) -> float:
     """Collective launches per step: one per bucket, and per layer for the sharded engines' gathers.
 
     DeepSpeed ZeRO-1/2 (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` /
@@ -62,11 +62,11 @@ def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, chec
     bucket alone: min(trainable tensors, P_t / bucket) all-reduces per reduction (counted on a 2-rank gloo
     run of a 39-tensor h-256 Llama: 37-41 per step), + the all-gather of the updated parameters. FSDP2, L + 2
     groups as accelerate wraps (fsdp_utils.py: layers, input embedding, [norm, lm_head]): per micro-batch a
-    gather per group, again in backward but the tail's (full_shard); a reduce-scatter per group once per step
-    (no_sync under accumulation; 11 + 6 at one micro-batch)."""
+    gather per group, again in backward but the tail's (full_shard), a reduce-scatter per group (11 + 6), the
+    reduce-scatters once per step under no_sync."""
     if fsdp and engine_kind in ("zero3", "sgo"):
         groups = layers + 2
-        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0)) + groups)
+        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0)) + (1 if no_sync else ga) * groups)
     if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
         per = min(tensors, math.ceil(p_t / reduce_bucket))
         return float((ga if engine_kind == "zero2" else 1) * per + 1)

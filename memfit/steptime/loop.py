@@ -14,7 +14,7 @@ CLIP_FOREACH_OPS = 6.0
 
 
 def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: float, local: float, ga: int,
-                      off_opt: bool, fsdp: bool = False) -> float:
+                      off_opt: bool, no_sync: bool = False) -> float:
     """Seconds after the micro-batches: AdamW (unless offloaded), clipping (HF max_grad_norm: every local
     gradient read for the norm, then scaled in place) and accumulation (each later micro-batch's gradient
     added into the kept one). CPU: one thread of work, the parts add up. GPU: the Trainer's loss check after
@@ -23,8 +23,8 @@ def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: floa
     device's sweeps over the parameters: the longer one counts."""
     grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
     clip = grads_local * 4.0 * 3.0 / sp.bandwidth  # one pass of the gradients: read for the norm, scaled
-    # FSDP accumulates its micro-batches' gradients unsharded (accelerate's no_sync), then reduces once
-    accumulate = (ga - 1) * (p_t if fsdp else grads_local) * 4.0 * 3.0 / sp.bandwidth
+    # FSDP under accelerate's no_sync accumulates its micro-batches' gradients unsharded, then reduces once
+    accumulate = (ga - 1) * (p_t if no_sync else grads_local) * 4.0 * 3.0 / sp.bandwidth
     adam_dev = adam_host = 0.0
     if not off_opt:
         mean_tensor = local / tensors if tensors else local

@@ -56,7 +56,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     local = p_t / (n if shard_o else 1)
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
-    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, fsdp)
+    no_sync = fsdp and not getattr(st, "fsdp_sync_each_batch", True)  # accelerate's no_sync (estimate.peak)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync)
     if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
         share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
@@ -65,17 +66,18 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     cpu_opt_s = 0.0
     if off_opt:
         cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
-    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing, fsdp) if n > 1 else {}
+    parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing, fsdp,
+                       no_sync) if n > 1 else {}
     cbytes = sum(parts.values())
     comm_s = 0.0
     if cbytes:
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
-                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp)
+                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp, no_sync)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
     copies_s = 0.0
     if fsdp and n > 1 and sp.gpu is not None and getattr(st, "fsdp_version", 2) == 2:  # FSDP2's copy-in / -out
         unit = gather_bytes / (model.layers + 2)
-        copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga) / sp.gpu.bandwidth(unit)
+        copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga, no_sync) / sp.gpu.bandwidth(unit)
     exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0) + copies_s, engine, p, cpu, model.layers)
     pcie_b = 0.0
     if off_opt:

@@ -104,6 +104,10 @@ class Fsdp(Engine):
     def trainer_kwargs(self, run: RunSpec, output_dir: Path) -> dict[str, Any]:
         kwargs = _sharded_trainer_kwargs(self, run, output_dir)
         kwargs.update(fsdp=True, fsdp_config=cfgs.fsdp_trainer_config(run, device_kind()))
+        # accumulation: reduce-scatter every micro-batch (gradients stay sharded) unless the run asks for the HF
+        # Trainer's no_sync (transformers trainer.py reads GradientAccumulationPlugin's sync_each_batch)
+        kwargs["accelerator_config"] = {**kwargs["accelerator_config"], "gradient_accumulation_kwargs": {
+            "sync_each_batch": bool(run.strategy.fsdp_sync_each_batch)}}
         return kwargs
 
     def prepare_trainer(self, trainer: Any, run: RunSpec) -> None:
