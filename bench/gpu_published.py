@@ -62,7 +62,8 @@ def predict(case: Case, profile=DEFAULT_PROFILE) -> dict:
     smi = reserved + est.gpu_overhead["cuda_context"] + est.gpu_overhead["nccl_buffers"]
     value = {"allocated": alloc, "reserved": reserved}.get(case.metric, smi)
     card = case.hardware.gpu.memory_bytes
-    held = max(smi, est.gpu_loading + est.gpu_overhead["cuda_context"])  # what the estimator's verdict holds
+    # what the estimator's verdict holds: the card's needs (the cache the allocator frees on demand left out)
+    held = max(float(mem["gpu_needed_bytes"]), est.gpu_loading + est.gpu_overhead["cuda_context"])
     fits = held <= card
     # what memfit plan says with its margin (a run that ran must not be refused)
     planner_fits = held <= card * (1.0 - PLANNER_MARGIN)

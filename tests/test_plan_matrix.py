@@ -34,8 +34,6 @@ DIFFERS = {
     ("llama-2-13b", 1024, False, 1): "memfit fits LoRA+Z3 without GC (20.5 GB of 32.6 usable at micro-batch 1, SDPA); "
                                      "the paper's batch is not in the seed",
     ("llama-2-13b", 2048, False, 1): "memfit fits Full+Z3+optimizer offload without GC (LoRA+Z3: 33.9 GB, just over)",
-    ("llama-2-70b", 256, False, 1): "16-bit weights are 17.3 GB per GPU: LoRA+Z3 without GC needs 33.0 GB of 32.6 usable; "
-                                    "fits with parameter offload (test_fig4_70b_with_parameter_offload)",
     ("llama-2-70b", 512, False, 1): "LoRA+Z3 without GC needs 44.1 GB of 32.6; fits with parameter offload",
     ("falcon-180b", 2048, True, 2): "LoRA+Z3+GC needs 35.4 GB per GPU on 16 V100s, 32.6 usable; fits with "
                                     "parameter offload (the study's runs most likely offloaded)",

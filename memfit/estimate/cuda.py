@@ -103,6 +103,19 @@ def reserved_gap(allocated: float, layer_working_set: float, loss_blocks: float,
     return cached + frac * allocated
 
 
+def cap_cached(gap: float, allocated: float, fixed: float, capacity: float, offload: bool, p: Profile) -> float:
+    """The reserved − allocated gap a card can hold. What the allocator keeps cached (``reserved_gap``'s cached
+    terms) is released when the device runs out: on a failed cudaMalloc the caching allocator frees its
+    unused cached blocks and retries before it reports out of memory (c10/cuda/CUDACachingAllocator.cpp
+    ``malloc``: ``release_available_cached_blocks`` then ``release_cached_blocks`` and ``alloc_block`` again).
+    So the cache fills at most what the card has left beside the allocated bytes, block splitting's waste
+    (``fragmentation``, not releasable: split blocks still in use) and ``fixed`` (CUDA context, NCCL); a run
+    whose cache would overflow runs, paying the retries' synchronising frees in time."""
+    firm = (p.fragmentation + (p.fragmentation_offload if offload else 0.0)) * allocated
+    room = capacity - allocated - firm - fixed
+    return firm + min(max(gap - firm, 0.0), max(room, 0.0))
+
+
 def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state: float, nums, half: float,
                        p: Profile) -> float:
     """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).

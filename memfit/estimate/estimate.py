@@ -72,6 +72,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     cuda_ctx = CU.context_bytes(gpu, profile)
     nccl = CU.nccl_bytes(hardware, profile)
     frag = fragmentation(run, params, saved, peak, formula)
+    if not gpu.is_cpu:  # the cache never holds more than the card leaves (the allocator frees it and retries)
+        frag = CU.cap_cached(frag, formula, cuda_ctx + nccl, gpu.memory_bytes, run.offload_optimizer or run.offload_params,
+                             profile)
+    firm = formula + cuda_ctx + nccl + CU.cap_cached(frag, formula, cuda_ctx + nccl, 0.0,
+                                                     run.offload_optimizer or run.offload_params, profile)
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": states.weights, "gradients": grads_line, "optimizer": states.optim,
                  "activations": acts, "logits": saved.logits, "lora_intermediates": adapter.intermediates,
@@ -95,7 +100,9 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)
-    reasons += verdict(run, gpu_lines["total"], cpu["total"], gpu_loading, cuda_ctx, margin, usable)
+    # the verdict on what the card must hold: the cached blocks beyond the allocated bytes are released on demand
+    reasons += verdict(run, gpu_lines["total"] if gpu.is_cpu else firm, cpu["total"], gpu_loading, cuda_ctx, margin,
+                       usable)
     frozen = params.frozen_bytes if not method.trains_base else run.total_params * run.value_b
     return Estimate(model=model, hardware=hardware, strategy=strategy, gpu=gpu_lines,
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
@@ -104,4 +111,4 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     trainable_parameters=method.reported_trainable(model, strategy, params.trainable),
                     floor_memory=frozen / (run.world if run.shard_weights else 1),
                     floor_seconds=timed["floor_seconds"], margin=margin, usable_gpu_bytes=usable,
-                    attention_backend=backend, gpu_loading=gpu_loading)
+                    attention_backend=backend, gpu_loading=gpu_loading, gpu_needed=gpu_lines["total"] if gpu.is_cpu else firm)

@@ -22,11 +22,11 @@ class Estimate:
 
     __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
                  "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
-                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading")
+                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading", "gpu_needed")
 
     def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
                  reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes,
-                 attention_backend: str = "", gpu_loading: float = 0.0) -> None:
+                 attention_backend: str = "", gpu_loading: float = 0.0, gpu_needed: float = 0.0) -> None:
         self.model, self.hardware, self.strategy = model, hardware, strategy
         self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
         self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
@@ -34,6 +34,9 @@ class Estimate:
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
         self.attention_backend = attention_backend
         self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training
+        # what the card must hold (the verdict's figure): gpu_total less the cached blocks the allocator frees
+        # when the device runs out (memfit.estimate.cuda.cap_cached); 0: gpu_total
+        self.gpu_needed = gpu_needed or gpu["total"]
 
     @property
     def gpu_allocated(self) -> float:
@@ -85,6 +88,9 @@ class Estimate:
                 "gpu_allocated_bytes": int(round(self.gpu_allocated)),
                 "gpu_reserved_bytes": int(round(self.gpu_reserved)),
                 "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
+                "gpu_needed_bytes": int(round(self.gpu_needed)),
+                "needed": "gpu_needed_bytes = what the verdict holds against the usable memory: gpu_bytes.total "
+                          "less the cached blocks the caching allocator frees and retries with when the card is full",
                 "attention_backend": self.attention_backend,
                 "gpu_loading_bytes": int(round(self.gpu_loading)),
                 "published_error": published_error(run_kind(self.strategy.method, self.strategy.zero_stage,

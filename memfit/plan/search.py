@@ -88,7 +88,7 @@ def memory_verdict(est: Any, hardware: Any) -> Optional[tuple[str, float, float]
     if hardware.gpu.is_cpu:  # one RAM holds the "device" lines and the process
         need = ram_need(est, hardware)
         return reason, max(need - usable_gpu, 0.0), need / usable_gpu
-    worst = [(est.gpu_total / usable_gpu, est.gpu_total - usable_gpu)]
+    worst = [(est.gpu_needed / usable_gpu, est.gpu_needed - usable_gpu)]  # the cache beyond the card is freed
     ram = float(hardware.cpu_ram_bytes)
     if ram:
         worst.append((est.cpu_total / ram, est.cpu_total - ram))
@@ -102,9 +102,9 @@ def short_reason(est: Any, hardware: Any) -> str:
     if hardware.gpu.is_cpu:
         return f"needs {_gb(ram_need(est, hardware))} of RAM ({_gb(usable_gpu)} usable)"
     parts = []
-    if est.gpu_total > usable_gpu:
-        parts.append(f"needs {_gb(est.gpu_total)} per GPU ({_gb(usable_gpu)} usable, "
-                     f"{_gb(est.gpu_total - usable_gpu)} over)")
+    if est.gpu_needed > usable_gpu:
+        parts.append(f"needs {_gb(est.gpu_needed)} per GPU ({_gb(usable_gpu)} usable, "
+                     f"{_gb(est.gpu_needed - usable_gpu)} over)")
     ram = float(hardware.cpu_ram_bytes)
     if ram and est.cpu_total > ram:
         parts.append(f"needs {_gb(est.cpu_total)} of CPU RAM per node (node has {_gb(ram)})")
@@ -234,7 +234,7 @@ def explain_plan(p: Plan) -> list[str]:
         why.append(
             f"{rec.strategy.label()} is the fastest of the {len(p.candidates)} combinations that fit "
             f"({n_tried} tried): {_sec(rec.step_seconds)} s/step using "
-            f"{_gb(ram_need(rec, p.hardware) if p.hardware.gpu.is_cpu else rec.gpu_total)} of "
+            f"{_gb(ram_need(rec, p.hardware) if p.hardware.gpu.is_cpu else rec.gpu_needed)} of "
             f"{_gb(gpu_cap)} {'of RAM' if p.hardware.gpu.is_cpu else 'per GPU'} with {p.margin:.0%} kept free."
         )
         note = chunked_loss_note(p)
@@ -312,9 +312,9 @@ def what_would_fit(p: Plan, close: Rejection) -> list[str]:
         else:
             hints.append("No pool of up to 4 nodes of 8 of these GPUs fits it; use larger GPUs, "
                          "a shorter --seq-len or a smaller model.")
-    if est.gpu_total > est.usable_gpu_bytes:  # the estimator's margin check
+    if est.gpu_needed > est.usable_gpu_bytes:  # the estimator's margin check
         hints.append(f"{close.strategy.label()} itself would fit on GPUs with at least "
-                     f"{_gb(est.gpu_total / (1 - margin))} each.")
+                     f"{_gb(est.gpu_needed / (1 - margin))} each.")
     ram = float(p.hardware.cpu_ram_bytes)
     if ram and est.cpu_total > ram:
         hints.append(f"It needs --cpu-ram of at least {_gb(est.cpu_total)} per node.")
