@@ -66,15 +66,22 @@ def _estimate(model_dir: Path, sets: list[str], steps: int) -> int | None:
 
 PEAK_RAW = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
             "num_hidden_layers": 4, "vocab_size": 2000}
-PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp1/qlora", "fsdp2/full", "fsdp2/lora", "fsdp2/qlora")
+PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp1/qlora", "fsdp2/full", "fsdp2/lora", "fsdp2/qlora",
+              # + gradient checkpointing as the HF Trainer enables it (non-reentrant, inside each decoder layer's
+              # __call__: transformers' GradientCheckpointingLayer), not in the default set (--cases)
+              "fsdp1/lora+gc", "fsdp2/lora+gc", "fsdp1/full+gc", "fsdp2/full+gc")
+DEFAULT_PEAK_CASES = PEAK_CASES[:6]
 
 
 def _peak_strategy(case: str):
     from memfit.spec.strategy import Strategy
 
     version, method = case.split("/")
+    gc = method.endswith("+gc")
+    method = method.removesuffix("+gc")
     extra = {"quant_storage": "fp32"} if method == "qlora" else {}  # one dtype per flat parameter (fp32 run)
     return Strategy(method=method, precision="fp32", seq_len=512, micro_batch_size=2, fsdp="full_shard",
+                    gradient_checkpointing=gc,
                     fsdp_version=int(version[-1]), lora_dropout=0.0, lora_r=16, **extra,
                     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
@@ -146,6 +153,10 @@ def peak_worker(case: str) -> None:
     peft_model = st.method in ("lora", "qlora")
     if st.method == "qlora":
         model = _quantized(model)
+    if st.gradient_checkpointing:  # as memfit's methods enable it (memfit.methods.base.GC_KWARGS)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if peft_model:
+            model.enable_input_require_grads()
     if peft_model:
         from peft import LoraConfig, get_peft_model
 
@@ -207,7 +218,7 @@ def main() -> None:
     if "--peak" in sys.argv:
         ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         ap.add_argument("--peak", action="store_true")
-        ap.add_argument("--cases", default=",".join(PEAK_CASES))
+        ap.add_argument("--cases", default=",".join(DEFAULT_PEAK_CASES))
         ap.add_argument("--json", action="store_true")
         a = ap.parse_args()
         sys.exit(peak_main(a.cases.split(","), a.json))
