@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +43,7 @@ class Method:
     label: str
     strategy: dict
     lrs: tuple
+    meft_extra: dict = field(default_factory=dict)  # Python-only MeftConfig fields (e.g. init_keys_from_ffn)
 
 
 METHODS = (
@@ -102,7 +104,27 @@ class Job:
     workdir: str
     eval_batch: int
     dense_neurons: int = 0
+    meft_extra: dict = field(default_factory=dict)
     result: dict = field(default_factory=dict)
+
+
+@contextmanager
+def meft_fields(extra: dict):
+    """MeftConfig fields the run file does not expose (``init_keys_from_ffn``, ``buffer_size``...), set
+    for one run by wrapping the MEFT method's config step; memfit's defaults are back afterwards."""
+    if not extra:
+        yield
+        return
+    import dataclasses
+
+    from memfit.methods.meft import Meft
+
+    original = Meft.config
+    Meft.config = lambda self, strategy: dataclasses.replace(original(self, strategy), **extra)
+    try:
+        yield
+    finally:
+        Meft.config = original
 
 
 def work(job: Job) -> Job:
@@ -122,11 +144,14 @@ def work(job: Job) -> Job:
     out.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(job.run, sort_keys=False))
     run = load_run(out.parent / f"{out.name}.yaml")
-    probe = Probe(run.strategy.method, task, job.eval_batch)
+    longer = job.run["training"]["max_steps"] > FULL.steps  # a longer run also scores recall every 75 steps
+    probe = Probe(run.strategy.method, task, job.eval_batch, curve_every=FULL.steps // 2 if longer else 0)
     t0 = time.perf_counter()
-    result = train(run, callbacks=[probe], overwrite=True)
+    with meft_fields(job.meft_extra):
+        result = train(run, callbacks=[probe], overwrite=True)
     job.result = {**probe.summary(), "wall_s": time.perf_counter() - t0, "saved_to": result.saved_to,
-                  "first_loss": result.first_loss, "final_loss": result.final_loss}
+                  "first_loss": result.first_loss, "final_loss": result.final_loss,
+                  "meft_extra": job.meft_extra}
     if job.method != "pretrain":
         from meft_knowledge_bytes import predicted
 
@@ -147,9 +172,15 @@ def run_jobs(jobs: list[Job], n: int) -> list[Job]:
 
 
 def prepare(workdir: Path, setup: Setup, jobs: int) -> dict:
-    """Task files, the random-init base model, and its pre-training through memfit (method full)."""
+    """Task files, the random-init base model, and its pre-training through memfit (method full).
+    A workdir that already holds the pre-training of the same task, model and steps is reused."""
     from meft_knowledge_data import build_model, make_task, write_jsonl
 
+    key = json.dumps([asdict(setup.task), asdict(setup.model), setup.pretrain_steps, setup.pretrain_lr,
+                      setup.batch, setup.seq_len])
+    cached = workdir / "pretrain.json"
+    if cached.is_file() and json.loads(cached.read_text()).get("key") == key:
+        return json.loads(cached.read_text())["result"]
     task = make_task(setup.task, seed=0)
     (workdir / "task.json").write_text(json.dumps(task))
     write_jsonl(task["pretrain"], workdir / "pretrain.jsonl")
@@ -158,6 +189,7 @@ def prepare(workdir: Path, setup: Setup, jobs: int) -> dict:
     run = run_dict(str(base), str(workdir / "pretrain.jsonl"), str(workdir / "pretrain"), {"method": "full"},
                    setup.pretrain_steps, setup.pretrain_lr, 0, setup)
     pre = run_jobs([Job("pretrain", "pretrain", setup.pretrain_lr, 0, run, str(workdir), setup.batch)], 1)[0]
+    cached.write_text(json.dumps({"key": key, "result": pre.result}, default=str))
     return pre.result
 
 
@@ -166,11 +198,11 @@ def finetune_jobs(workdir: Path, model: str, setup: Setup, methods, lr_of=None, 
     for m in methods:
         for lr in ([lr_of[m.name]] if lr_of else m.lrs):
             for seed in seeds:
-                key = f"{m.name}-lr{lr:g}-s{seed}"
+                key = f"{m.name}-lr{lr:g}-s{seed}" + (f"-{setup.steps}steps" if setup.steps != FULL.steps else "")
                 run = run_dict(model, str(workdir / "finetune.jsonl"), str(workdir / "runs" / key), m.strategy,
                                setup.steps, lr, seed, setup)
-                dense = K if m.name == "pa-dense" else 0
-                out.append(Job(key, m.name, lr, seed, run, str(workdir), setup.batch, dense))
+                dense = K if m.name.startswith("pa-dense") else 0
+                out.append(Job(key, m.name, lr, seed, run, str(workdir), setup.batch, dense, dict(m.meft_extra)))
     return out
 
 
@@ -198,42 +230,76 @@ def _job_row(j: Job) -> dict:
     return {"key": j.key, "method": j.method, "lr": j.lr, "seed": j.seed, **j.result}
 
 
+def custom_setup(args) -> tuple:
+    """The setup and methods after the flags that narrow the bench for ablations (--methods, --lrs,
+    --steps, --seeds, --model-size); unchanged without them."""
+    setup = QUICK if args.quick else FULL
+    if args.steps:
+        setup = replace(setup, steps=args.steps)
+    if args.seeds:
+        setup = replace(setup, seeds=tuple(int(x) for x in args.seeds.split(",")))
+    if args.model_size:  # HIDDENxLAYERS; FFN 2.75 x hidden as in the default (64 -> 176)
+        hidden, layers = (int(x) for x in args.model_size.lower().split("x"))
+        setup = replace(setup, model=ModelSize(hidden=hidden, intermediate=int(2.75 * hidden), layers=layers))
+    methods = METHODS
+    if args.methods:
+        known = {m.name: m for m in METHODS}
+        wanted = args.methods.split(",")
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+        methods = tuple(known[w] for w in wanted)
+    if args.lrs:
+        methods = tuple(replace(m, lrs=tuple(float(x) for x in args.lrs.split(","))) for m in methods)
+    return setup, methods
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke version: fewer facts and steps, one seed")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
-    ap.add_argument("--workdir", default=None, help="where models and runs go (default: a temp folder)")
+    ap.add_argument("--workdir", default=None, help="where models and runs go (default: a temp folder; "
+                    "a workdir with the same pre-training is reused)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/meft_knowledge_<date>.json)")
     ap.add_argument("--plot", default="docs/meft_knowledge.png")
-    ap.add_argument("--replot", metavar="JSON", help="redraw the table and plot from a results file, no training")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the table and plot from results files "
+                    "(comma-separated: their rows together), no training")
+    ap.add_argument("--methods", help="comma-separated subset of the methods (names as in METHODS)")
+    ap.add_argument("--lrs", help="comma-separated learning-rate grid for every chosen method")
+    ap.add_argument("--steps", type=int, help="fine-tuning steps (default 150; --quick 100)")
+    ap.add_argument("--seeds", help="comma-separated seeds (the first one picks the learning rate)")
+    ap.add_argument("--model-size", help="HIDDENxLAYERS of the base model (default 64x2)")
     args = ap.parse_args(argv)
     if args.replot:
         from meft_knowledge_report import plot, table
 
-        doc = json.loads(Path(args.replot).read_text())
-        print(table(doc["rows"]))
-        print(f"plot {plot(doc['rows'], args.plot, doc['pretrain']['recall'])}")
+        docs = [json.loads(Path(f).read_text()) for f in args.replot.split(",")]  # one table of several runs
+        rows = [r for d in docs for r in d["rows"]]
+        print(table(rows))
+        print(f"plot {plot(rows, args.plot, docs[0]['pretrain']['recall'], docs[0]['setup']['steps'])}")
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import tempfile
 
     from meft_knowledge_report import summarize, table, plot
 
-    setup = QUICK if args.quick else FULL
+    setup, methods = custom_setup(args)
+    custom = methods is not METHODS or setup not in (FULL, QUICK)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meft_knowledge_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    raw = bench(setup, workdir, args.jobs)
+    raw = bench(setup, workdir, args.jobs, methods)
     labels = {m.name: m.label for m in METHODS}
     rows = summarize(raw, labels)
     doc = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["bench/meft_knowledge.py", *(argv or sys.argv[1:])]),
            "setup": asdict(setup), "K": K, "rows": rows, **raw}
-    out = Path(args.out or f"bench/results/meft_knowledge_{'quick_' if args.quick else ''}{doc['date']}.json")
+    tag = "custom_" if custom else "quick_" if args.quick else ""
+    out = Path(args.out or f"bench/results/meft_knowledge_{tag}{doc['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(table(rows))
     print(f"wall {raw['wall_s']:.0f} s; results {out}")
-    if not args.quick:
-        print(f"plot {plot(rows, args.plot, raw['pretrain']['recall'])}")
+    if not (args.quick or custom):
+        print(f"plot {plot(rows, args.plot, raw['pretrain']['recall'], setup.steps)}")
     return 0
 
 

@@ -187,3 +187,28 @@ def recall(model, tokenizer, records: list[dict], batch: int = 256) -> float:
     if was_training:
         model.train()
     return hits / len(records)
+
+
+def answer_nll(model, tokenizer, records: list[dict], batch: int = 256) -> float:
+    """Mean teacher-forced negative log-likelihood (nats) of the answer's first token (the fact itself;
+    end-of-sequence is easy): a smoother measure than exact match on the same questions."""
+    import torch
+
+    if not records:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    device = next(p for p in model.parameters()).device
+    with torch.no_grad():
+        for i in range(0, len(records), batch):
+            ids, mask, targets = encode(records[i:i + batch], tokenizer)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+            first = (targets != -100).float().argmax(dim=1)  # the position that predicts the answer
+            rows = torch.arange(len(first))
+            logp = torch.log_softmax(logits[rows, first], dim=-1)
+            total += -logp[rows, targets[rows, first]].sum().item()
+            count += len(first)
+    if was_training:
+        model.train()
+    return total / count

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from meft_knowledge_bytes import measured, measured_grad_bytes
-from meft_knowledge_data import build_tokenizer, recall
+from meft_knowledge_data import answer_nll, build_tokenizer, recall
 
 _TASKS: dict = {}
 
@@ -26,8 +26,11 @@ def load_task(workdir: Path) -> dict:
 
 
 class Probe(TrainerCallback):
-    def __init__(self, method: str, task: dict, eval_batch: int, measure_at: int = 2):
+    """``curve_every``: also score recall (and the answer's NLL) every that many steps (0: at the end only)."""
+
+    def __init__(self, method: str, task: dict, eval_batch: int, measure_at: int = 2, curve_every: int = 0):
         self.method, self.task, self.eval_batch, self.measure_at = method, task, eval_batch, measure_at
+        self.curve_every, self.curve = curve_every, []
         self.cpu: list = []
         self.wall: list = []
         self.moved: list = []
@@ -54,12 +57,18 @@ class Probe(TrainerCallback):
 
             t = traffic(model)
             self.moved.append(int(t["h2d"]) + int(t["d2h"]))
+        if self.curve_every and state.global_step % self.curve_every == 0:
+            tok = build_tokenizer()
+            self.curve.append({"step": state.global_step,
+                               "recall": recall(model, tok, self.task["new_facts"], self.eval_batch),
+                               "answer_nll": answer_nll(model, tok, self.task["new_facts"], self.eval_batch)})
 
     def on_train_end(self, args, state, control, model=None, **kw):
         tok = build_tokenizer()
         self.scores = {"recall": recall(model, tok, self.task["new_facts"], self.eval_batch),
                        "control": recall(model, tok, self.task["copy_eval"], self.eval_batch),
-                       "copy_trained": recall(model, tok, self.task["copy_train"], self.eval_batch)}
+                       "copy_trained": recall(model, tok, self.task["copy_train"], self.eval_batch),
+                       "answer_nll": answer_nll(model, tok, self.task["new_facts"], self.eval_batch)}
         if self.method == "meft":
             from memfit.meft import meft_state, traffic
 
@@ -71,7 +80,7 @@ class Probe(TrainerCallback):
 
     def summary(self) -> dict:
         later = slice(1, None) if len(self.cpu) > 1 else slice(None)  # the first step warms up
-        return {**self.scores, "measured": self.bytes, "meft": self.meft,
+        return {**self.scores, "measured": self.bytes, "meft": self.meft, "curve": self.curve,
                 "cpu_ms_per_step": 1e3 * statistics.median(self.cpu[later]) if self.cpu else None,
                 "wall_ms_per_step": 1e3 * statistics.median(self.wall[later]) if self.wall else None,
                 "moved_bytes_per_step": statistics.median(self.moved[later]) if self.moved else 0,

@@ -66,7 +66,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, baseline: float | None = None) -> str:
+def plot(rows: list[dict], path: str, baseline: float | None = None, steps: int = 150) -> str:
     """Recall against measured device bytes of trainable state, one point per method (log x);
     ``baseline``: the pre-trained model's recall before any method ran (a dashed line)."""
     import matplotlib
@@ -77,7 +77,7 @@ def plot(rows: list[dict], path: str, baseline: float | None = None) -> str:
     fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=110)
     if baseline is not None:
         ax.axhline(100 * baseline, ls="--", color="k", lw=0.8, label="before fine-tuning")
-        ax.legend(loc="center left", fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
     for r in rows:
         x, y = r["device_meas"] / 1e6, 100 * r["recall"]
         ax.errorbar([x], [y], yerr=[100 * r["recall_pm"]], fmt="o", capsize=3,
@@ -90,8 +90,8 @@ def plot(rows: list[dict], path: str, baseline: float | None = None) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("device-resident trainable state, MB (params + grads + Adam; measured)")
     ax.set_ylabel("closed-book exact-match recall of new facts, %")
-    ax.set_title("bench/meft_knowledge.py: recall vs device bytes (mean, ± half-range over 3 seeds)",
-                 fontsize=9)
+    ax.set_title(f"bench/meft_knowledge.py, {steps} steps: recall vs device bytes (mean, ± half-range over "
+                 "3 seeds)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
