@@ -12,7 +12,7 @@ never trained on), device/host bytes of trainable state (meft_knowledge_bytes.py
 step (MEFT's own counters) and time per step (process CPU time, one thread; wall time beside it).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py            # the full bench (<= 15 min)
-    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py --quick    # smoke: fewer facts/steps
+    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py --quick    # CI smoke: exit 1 if MEFT stops learning
 
 Writes bench/results/meft_knowledge_<date>.json (``--out``) and the plot docs/meft_knowledge.png.
 """
@@ -74,8 +74,16 @@ class Setup:
 
 
 FULL = Setup()
-QUICK = Setup(task=TaskSize(old_entities=100, new_entities=16, copy_train=32, copy_eval=32),
-              pretrain_steps=300, steps=100, seeds=(0,))
+# --quick (CI): the full task and pre-training on a one-layer base, LoRA r=2 and MEFT top-k 12 at their best
+# rate (1e-2, also best of 3e-3 / 1e-2 / 3e-2 here on seed 0), 300 steps, seed 0. On seeds 0-2 (2026-12-02)
+# MEFT stored 81.2 / 80.5 / 71.9 % and LoRA r=2 57.0 / 63.3 / 60.2 % (margins 24.2 / 17.2 / 11.7 points):
+# on one layer LoRA r=2's capacity binds by ~225 steps, MEFT's does not. docs/meft.md.
+QUICK = Setup(model=ModelSize(layers=1), steps=300, seeds=(0,))
+QUICK_METHODS = ("lora-r2", "meft-k12")
+QUICK_LR = 1e-2
+# what --quick asserts (exit 1 otherwise): MEFT's recall at least this, above LoRA r=2's by at least
+# QUICK_MARGIN, with MEFT's measured device bytes of trainable state within QUICK_BYTES x LoRA's ("equal")
+QUICK_RECALL, QUICK_MARGIN, QUICK_BYTES = 0.50, 0.05, 1.5
 
 
 def run_dict(model: str, data: str, out: str, strategy: dict, steps: int, lr: float, seed: int,
@@ -242,6 +250,8 @@ def custom_setup(args) -> tuple:
         hidden, layers = (int(x) for x in args.model_size.lower().split("x"))
         setup = replace(setup, model=ModelSize(hidden=hidden, intermediate=int(2.75 * hidden), layers=layers))
     methods = METHODS
+    if args.quick and not args.methods:
+        methods = tuple(replace(m, lrs=(QUICK_LR,)) for m in METHODS if m.name in QUICK_METHODS)
     if args.methods:
         known = {m.name: m for m in METHODS}
         wanted = args.methods.split(",")
@@ -256,7 +266,8 @@ def custom_setup(args) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke version: fewer facts and steps, one seed")
+    ap.add_argument("--quick", action="store_true", help="smoke version for CI: one-layer base, LoRA r=2 and "
+                    "MEFT top-k 12, 300 steps, one seed; exits 1 unless MEFT learned and beat LoRA r=2")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
     ap.add_argument("--workdir", default=None, help="where models and runs go (default: a temp folder; "
                     "a workdir with the same pre-training is reused)")
@@ -266,7 +277,7 @@ def main(argv=None) -> int:
                     "(comma-separated: their rows together), no training")
     ap.add_argument("--methods", help="comma-separated subset of the methods (names as in METHODS)")
     ap.add_argument("--lrs", help="comma-separated learning-rate grid for every chosen method")
-    ap.add_argument("--steps", type=int, help="fine-tuning steps (default 150; --quick 100)")
+    ap.add_argument("--steps", type=int, help="fine-tuning steps (default 150; --quick 300)")
     ap.add_argument("--seeds", help="comma-separated seeds (the first one picks the learning rate)")
     ap.add_argument("--model-size", help="HIDDENxLAYERS of the base model (default 64x2)")
     args = ap.parse_args(argv)
@@ -284,7 +295,8 @@ def main(argv=None) -> int:
     from meft_knowledge_report import summarize, table, plot
 
     setup, methods = custom_setup(args)
-    custom = methods is not METHODS or setup not in (FULL, QUICK)
+    custom = (methods is not METHODS and not (args.quick and not args.methods and not args.lrs)) \
+        or setup not in (FULL, QUICK)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meft_knowledge_"))
     workdir.mkdir(parents=True, exist_ok=True)
     raw = bench(setup, workdir, args.jobs, methods)
@@ -300,7 +312,29 @@ def main(argv=None) -> int:
     print(f"wall {raw['wall_s']:.0f} s; results {out}")
     if not (args.quick or custom):
         print(f"plot {plot(rows, args.plot, raw['pretrain']['recall'], setup.steps)}")
+    if args.quick:
+        ok, lines = quick_check(rows)
+        print("\n".join(lines))
+        return 0 if ok else 1
     return 0
+
+
+def quick_check(rows: list[dict]) -> tuple:
+    """(ok, lines): MEFT top-k 12 learned (recall >= QUICK_RECALL) and stored more than LoRA r=2 (by
+    QUICK_MARGIN) at about equal measured device bytes (ratio <= QUICK_BYTES); each check on one line."""
+    by = {r["method"]: r for r in rows}
+    if not all(m in by for m in QUICK_METHODS):
+        return False, [f"--quick check: needs the methods {', '.join(QUICK_METHODS)}; ran {', '.join(by)}"]
+    lora, meft = (by[m] for m in QUICK_METHODS)
+    ratio = meft["device_meas"] / lora["device_meas"]
+    checks = [
+        (meft["recall"] >= QUICK_RECALL, f"MEFT recall {100 * meft['recall']:.1f} % >= {100 * QUICK_RECALL:.0f} %"),
+        (meft["recall"] >= lora["recall"] + QUICK_MARGIN, f"MEFT {100 * meft['recall']:.1f} % >= LoRA r=2 "
+         f"{100 * lora['recall']:.1f} % + {100 * QUICK_MARGIN:.0f} points"),
+        (ratio <= QUICK_BYTES, f"device bytes MEFT / LoRA r=2 = {meft['device_meas']:,.0f} / "
+         f"{lora['device_meas']:,.0f} = {ratio:.2f} <= {QUICK_BYTES}"),
+    ]
+    return all(ok for ok, _ in checks), [f"{'PASS' if ok else 'FAIL'} {text}" for ok, text in checks]
 
 
 if __name__ == "__main__":

@@ -97,3 +97,41 @@ def test_a_run_stores_facts_and_meft_bytes_match_the_estimator(tmp_path):
     pred = sparse["predicted"]["device_bytes"]
     assert abs(sparse["measured"]["device_bytes"] - pred) <= 0.05 * pred  # estimator vs measured, MEFT
     assert (tmp_path / "results" / f"{jobs[1].key}.json").is_file()
+
+
+def test_quick_check_fails_when_meft_stops_learning():
+    import meft_knowledge as B
+
+    def rows(meft_recall, lora_recall=0.6, meft_bytes=49_156):
+        return [{"method": "lora-r2", "recall": lora_recall, "device_meas": 39_480},
+                {"method": "meft-k12", "recall": meft_recall, "device_meas": meft_bytes}]
+
+    assert B.quick_check(rows(0.8))[0]
+    assert not B.quick_check(rows(0.0))[0]                    # MEFT learned nothing
+    assert not B.quick_check(rows(0.62))[0]                   # above the threshold, not above LoRA by the margin
+    assert not B.quick_check(rows(0.8, meft_bytes=150_000))[0]  # not at equal device bytes
+    assert not B.quick_check(rows(0.8)[:1])[0]                # MEFT did not run
+
+
+@pytest.mark.slow
+def test_quick_bench_meft_learns_and_beats_lora(tmp_path):
+    """bench/meft_knowledge.py --quick (the CI smoke run, ~1-2 min on 2 loaded cores): pre-trains the one-layer
+    base through memfit, stores the 128 facts with LoRA r=2 and MEFT top-k 12 (300 steps, seed 0) and exits
+    non-zero unless MEFT's recall is >= 50 % and >= LoRA r=2's + 5 points at about equal device bytes."""
+    import os
+    import subprocess
+
+    pytest.importorskip("transformers")
+    import meft_knowledge as B
+
+    out = tmp_path / "quick.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / "meft_knowledge.py"), "--quick", "--jobs", "1",
+                           "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    lora, meft = rows["lora-r2"], rows["meft-k12"]
+    assert meft["recall"] >= B.QUICK_RECALL
+    assert meft["recall"] >= lora["recall"] + B.QUICK_MARGIN, (meft["recall"], lora["recall"])
+    assert meft["device_meas"] <= B.QUICK_BYTES * lora["device_meas"]
