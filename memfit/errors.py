@@ -18,4 +18,8 @@ class IncompatibleError(MemfitError):
 
 class TrainingInterrupted(BaseException):
     """Ctrl-C during training; the message says the step, the last checkpoint and how to resume.
-    The CLI prints it on one line and exits 130."""
+    The CLI prints it on one line and exits with ``exit_code`` (130; 143 after a SIGTERM)."""
+
+    def __init__(self, message: str = "", exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code

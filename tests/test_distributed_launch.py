@@ -49,6 +49,42 @@ def test_bad_layouts(run_file, kwargs, needle):
         launch_command(run_file, **kwargs)
 
 
+def test_one_node_draws_a_free_port_many_nodes_share_29500(run_file, tmp_path):
+    """Two one-node jobs on a machine must not meet at torchrun's 29500 (the second cannot bind it); every node of
+    a multi-node job must name the same port, so there it is 29500 unless given."""
+    import socket
+
+    from memfit.distributed.launch import rendezvous_port
+
+    assert rendezvous_port(29400, 1) == 29400 and rendezvous_port(None, 2) == 29500
+    with socket.socket() as held:  # the port a first job holds
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        drawn = {rendezvous_port(None, 1) for _ in range(5)}
+    assert taken not in drawn
+    one = launch_command(run_file, nproc=2)
+    assert _after(one, "--master-port") != "29500"
+    assert "distributed.master_port=" + _after(one, "--master-port") in one  # the run says the port it used
+    many = launch_command(run_file, nproc=2, nodes=2, master_addr="10.0.0.1")
+    assert _after(many, "--master-port") == "29500"
+
+
+def test_fallback_runs_on_one_node_and_takes_nproc(tmp_path, capsys):
+    from cli_helper import run_cli
+    from memfit.cli.train_cmds import _fallback_layout
+    from memfit.spec.run import run_from_dict
+
+    run = run_from_dict({"model": "llama-2-7b", "output_dir": str(tmp_path / "o")})
+    assert _fallback_layout(run, 2, 1).distributed.nproc == 2 and _fallback_layout(run, 1, 1) is run
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": str(tmp_path), "output_dir": str(tmp_path / "o")}))
+    code, _, err = run_cli(capsys, "train", str(path), "--fallback", "--nodes", "2")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "error: --fallback with 2 nodes: --fallback restarts the processes itself and runs on one node; across "
+        "nodes use `memfit launch RUN --nodes N --node-rank R` on each node")
+    assert not (tmp_path / "o").exists()
+
+
 def test_thread_share():
     env = launch_env({"PATH": "/bin"}, nproc=64)
     assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
@@ -92,7 +128,7 @@ def test_launch_validates_then_runs_torchrun(run_file, monkeypatch):
 
     from memfit.distributed import preflight
 
-    monkeypatch.setattr(mod, "_run_torchrun", fake_run)
+    monkeypatch.setattr(mod, "run_torchrun", fake_run)
     monkeypatch.setattr(preflight, "before_launch", lambda run: [])  # llama-2-7b is a preset, no weights
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert mod.launch(run_file, nproc=2, overrides=["lora.r=4"]) == 3  # the children's exit status

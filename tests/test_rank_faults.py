@@ -105,9 +105,9 @@ def test_sigterm_to_the_launcher_stops_torchrun_and_exits_143(tmp_path):
                                        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
                                        "time.sleep(120)\n")
     script = ("import os, sys\n"
-              "from memfit.distributed.launch import _run_torchrun\n"
+              "from memfit.distributed.launch import run_torchrun\n"
               "cmd = [sys.executable, sys.argv[1], sys.argv[2]]  # a stand-in for torchrun\n"
-              "sys.exit(_run_torchrun(cmd, dict(os.environ), sys.stderr.write, None))\n")
+              "sys.exit(run_torchrun(cmd, dict(os.environ), sys.stderr.write, None))\n")
     p = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "child.py"), str(pid_file)])
     for _ in range(600):
         if pid_file.exists() and pid_file.read_text():

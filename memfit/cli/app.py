@@ -57,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(2)
     except TrainingInterrupted as err:  # the step, the last checkpoint and how to resume
         print(str(err), file=sys.stderr)
-        sys.exit(130)
+        sys.exit(getattr(err, "exit_code", 130))
     except TyperException as err:  # a bad flag or value: one line, and where the usage is
         if type(err).__name__ == "NoArgsIsHelpError":
             app(args=args, prog_name="memfit")  # prints the help, exits 2

@@ -14,7 +14,7 @@ def launch_command(
     nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes in the job (default: distributed.nodes)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0..nodes-1 (default: distributed.node_rank)."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address (default: distributed.master_addr)."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Free TCP port on node 0 (default: distributed.master_port)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Free TCP port on node 0 (default: distributed.master_port, else a free port on one node, 29500 across nodes)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="KEY=VALUE override (repeatable)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
     single_host: bool = typer.Option(False, "--single-host", help="Every node rank runs on this machine (test a multi-node config on one host; allows --master-addr 127.0.0.1)."),
@@ -23,7 +23,7 @@ def launch_command(
 ) -> None:
     """Train RUN on this node's processes; run the same command on every node with its --node-rank."""
     from memfit.distributed.config import world_size
-    from memfit.distributed.launch import launch_command as build, layout_overrides
+    from memfit.distributed.launch import launch_command as build, layout_overrides, rendezvous_port
     from memfit.spec.run import load_run
 
     overrides = list(overrides or [])
@@ -32,6 +32,7 @@ def launch_command(
                   node_rank=d.node_rank if node_rank is None else node_rank,
                   master_addr=d.master_addr if master_addr is None else master_addr,
                   master_port=d.master_port if master_port is None else master_port)
+    layout["master_port"] = rendezvous_port(layout["master_port"], layout["nodes"])
     cmd = build(run_file, overrides=overrides, resume=resume, single_host=single_host, **layout)
     run = load_run(run_file, [*overrides, *layout_overrides(**layout)])
     if dry_run:

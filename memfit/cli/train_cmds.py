@@ -189,17 +189,34 @@ def train_command(
             rc = launch_reported(str(saved or run_path), nproc=nproc, nodes=nodes,
                                  node_rank=d.node_rank if node_rank is None else node_rank,
                                  master_addr=master_addr or d.master_addr,
-                                 master_port=master_port or d.master_port,
+                                 master_port=d.master_port if master_port is None else master_port,
                                  overrides=overrides if saved is None else [], resume=resume,
                                  overwrite=overwrite)  # rank 0 prints progress and the summary
         raise typer.Exit(int(rc or 0))
     if fallback:
         from memfit.train.fallback import train_with_fallback
 
+        run = _fallback_layout(run, nproc, nodes)
+
         result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
     else:
         result = _run_training(run, resume=resume, as_json=as_json, overwrite=overwrite, plan_why=plan_why)
     _show(result, as_json)
+
+
+def _fallback_layout(run, nproc: int, nodes: int):
+    """``run`` with the processes ``--nproc`` asked for (each --fallback attempt starts them itself, on
+    this node only)."""
+    if nodes > 1:
+        raise ConfigError(f"--fallback with {nodes} nodes: --fallback restarts the processes itself and runs "
+                          "on one node; across nodes use `memfit launch RUN --nodes N --node-rank R` on each node")
+    if nproc == run.distributed.nproc:
+        return run
+    from memfit.spec.run import run_from_dict
+
+    raw = run.model_dump(mode="json")
+    raw["distributed"]["nproc"] = nproc
+    return run_from_dict(raw)
 
 
 def _earlier_demo(out: Path, model_dir: Path) -> bool:

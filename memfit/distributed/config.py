@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from memfit.estimate.constants import DEFAULT_PROFILE
-from memfit.spec.run import RunSpec
+from memfit.spec.run import DEFAULT_PORT, RunSpec
 
 Device = Literal["cuda", "cpu"]
 
@@ -211,7 +211,7 @@ def accelerate_config(run: RunSpec, *, device: Device = "cuda",
         "num_processes": n,
         "machine_rank": d.node_rank,
         "main_process_ip": d.master_addr,
-        "main_process_port": d.master_port,
+        "main_process_port": DEFAULT_PORT if d.master_port is None else d.master_port,
         "rdzv_backend": "static",
         "same_network": True,
         "mixed_precision": "bf16" if bf16 else "fp16" if fp16 else "no",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from memfit.errors import ConfigError
+from memfit.spec.run import DEFAULT_PORT
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -33,6 +34,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_port(port: Optional[int], nodes: int) -> int:
+    """The port node 0 listens on: ``port`` when one was given (``--master-port`` or the run file's
+    ``distributed.master_port``); else, across nodes, 29500 (every node must name the same one, so it cannot
+    be drawn), and on one node a port that is free now, so a second one-node job on the same machine does
+    not meet the first at 29500 (its TCPStore cannot bind the port and the job fails at start-up)."""
+    if port is not None:
+        return port
+    return DEFAULT_PORT if nodes > 1 else free_port()
 
 
 def _is_loopback(addr: str) -> bool:
@@ -56,7 +67,8 @@ def check_layout(nproc: int, nodes: int, node_rank: int, master_addr: str, maste
         raise ConfigError(f"--node-rank {node_rank}: with --nodes {nodes} it must be 0..{nodes - 1} "
                           "(0 on the node whose address is --master-addr)")
     if not 1 <= master_port <= 65535:
-        raise ConfigError(f"--master-port {master_port}: must be 1..65535 (default 29500)")
+        raise ConfigError(f"--master-port {master_port}: must be 1..65535 (default: a free port on one node, "
+                          f"{DEFAULT_PORT} across nodes)")
     if nodes > 1 and _is_loopback(master_addr) and not single_host:
         raise ConfigError(f"--master-addr {master_addr} with --nodes {nodes}: the other nodes cannot reach a "
                           "loopback address; give node 0's address on the cluster network, e.g. 10.0.0.1 "
@@ -80,10 +92,12 @@ def torchrun_command(module: str, args: Sequence[str], *, nproc: int, nodes: int
 
 
 def launch_command(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
-                   master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
-                   resume: bool = False, overwrite: bool = False, python: Optional[str] = None,
-                   single_host: bool = False) -> list[str]:
-    """The torchrun command line this node runs (what :func:`launch` executes)."""
+                   master_addr: str = "127.0.0.1", master_port: Optional[int] = None,
+                   overrides: Sequence[str] = (), resume: bool = False, overwrite: bool = False,
+                   python: Optional[str] = None, single_host: bool = False) -> list[str]:
+    """The torchrun command line this node runs (what :func:`launch` executes); ``master_port`` None:
+    :func:`rendezvous_port`."""
+    master_port = rendezvous_port(master_port, nodes)
     check_layout(nproc, nodes, node_rank, master_addr, master_port, single_host)
     cmd = torchrun_command("memfit.train", [str(run_path)], nproc=nproc, nodes=nodes, node_rank=node_rank,
                            master_addr=master_addr, master_port=master_port, python=python)
@@ -110,7 +124,7 @@ def launch_env(base: Optional[dict[str, str]] = None, nproc: int = 1) -> dict[st
 
 
 def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int = 0,
-           master_addr: str = "127.0.0.1", master_port: int = 29500, overrides: Sequence[str] = (),
+           master_addr: str = "127.0.0.1", master_port: Optional[int] = None, overrides: Sequence[str] = (),
            resume: bool = False, overwrite: bool = False, single_host: bool = False,
            on_start: Optional[Callable[[Any], None]] = None,
            on_output: Optional[Callable[[str], None]] = None,
@@ -124,13 +138,14 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
     ``on_output(line)``: the processes' stderr goes through it (default: on to this stderr), so that
     on a failure ``on_failure(line)`` gets one line naming the first rank that failed and why
     (:func:`memfit.distributed.faults.root_cause`). A SIGINT / SIGTERM stops every process of this node
-    (:func:`_run_torchrun`) and returns 130 / 143.
+    (:func:`run_torchrun`) and returns 130 / 143.
     """
     from memfit.distributed.preflight import before_launch
     from memfit.errors import IncompatibleError
     from memfit.spec.run import load_run
 
     run_path = Path(run_path)
+    master_port = rendezvous_port(master_port, nodes)  # once: the run, the banner and torchrun name the same
     layout = layout_overrides(nproc, nodes, node_rank, master_addr, master_port)
     run = load_run(run_path, [*overrides, *layout])
     problems = before_launch(run)
@@ -144,7 +159,7 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
         on_start(run)
     env = launch_env(nproc=nproc * nodes if single_host else nproc)
     try:
-        return _run_torchrun(cmd, env, on_output or sys.stderr.write, on_failure)
+        return run_torchrun(cmd, env, on_output or sys.stderr.write, on_failure)
     except KeyboardInterrupt:  # before the handlers were in place: torchrun had not started its workers
         return 130
 
@@ -152,14 +167,14 @@ def launch(run_path: str | Path, *, nproc: int, nodes: int = 1, node_rank: int =
 STOP_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}  # a stop's exit status: 128 + the signal
 
 
-def _run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str], None],
-                  on_failure: Optional[Callable[[str], None]]) -> int:
+def run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str], None],
+                 on_failure: Optional[Callable[[str], None]], stdout: Any = None) -> int:
     """Run torchrun to its end, its stderr passed line by line to ``on_output``; its tail names a
     failure. torchrun runs in a session of its own, and a SIGINT / SIGTERM / SIGHUP to this process is
     passed on to it once (it stops its workers: the same signal, SIGKILL after 30 s), so a Ctrl-C in the
     terminal reaches torchrun exactly once and never this process's ``subprocess`` teardown, which would
     SIGKILL torchrun and leave its workers running. Waits until every worker closed its stderr, then
-    returns 130 / 143 / 129."""
+    returns 130 / 143 / 129. ``stdout``: where the processes' stdout goes (default: this stdout)."""
     import signal
     import threading
     from collections import deque
@@ -168,7 +183,7 @@ def _run_torchrun(cmd: list[str], env: dict[str, str], on_output: Callable[[str]
 
     tail: deque = deque(maxlen=400)
     stopped: list[int] = []
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+    with subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace",
                           start_new_session=True) as proc:
         def stop(signum, _frame) -> None:
             if not stopped:

@@ -46,6 +46,9 @@ class TrainingSpec(BaseModel):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (numpy accepts 0 .. 2**32-1)")
 
 
+DEFAULT_PORT = 29500  # torchrun's and accelerate's default rendezvous port
+
+
 class DistributedSpec(BaseModel):
     """How processes are laid out; the sharding engine itself is chosen in ``strategy``."""
 
@@ -55,7 +58,8 @@ class DistributedSpec(BaseModel):
     nodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     master_addr: str = "127.0.0.1"
-    master_port: int = Field(29500, ge=1, le=65535)
+    master_port: Optional[int] = Field(None, ge=1, le=65535, description="node 0's rendezvous port; default: "
+                                       "a free port on one node, 29500 across nodes (every node names it)")
     reduce_bucket_size: Optional[int] = Field(None, ge=1)
     allgather_bucket_size: Optional[int] = Field(None, ge=1)
     timeout_s: int = Field(600, ge=1, description="seconds a collective waits for the other ranks before "

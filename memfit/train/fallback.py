@@ -205,7 +205,8 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
     """One attempt under torchrun; returns None on success, or the error text of an OOM'd rank."""
     import subprocess
 
-    from memfit.distributed.launch import launch_env, torchrun_command
+    from memfit.distributed.launch import STOP_CODES, launch_env, run_torchrun, torchrun_command
+    from memfit.errors import TrainingInterrupted
     from memfit.spec.run import save_run
 
     markers = out / MARKER_DIR
@@ -217,13 +218,18 @@ def _attempt_multi(run: Any, resume: bool, limit: Optional[int], inject_at: Opti
             "markers": str(markers)}
     (markers / "attempt.json").write_text(json.dumps(spec))
     cmd = torchrun_command("memfit.train.fallback_worker", [markers / "attempt.json"], nproc=run.distributed.nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(nproc=run.distributed.nproc))
+    stderr: list[str] = []  # torchrun in a session of its own; a SIGINT / SIGTERM reaches it once and every
+    code = run_torchrun(cmd, launch_env(nproc=run.distributed.nproc), stderr.append, None,  # worker ends
+                        stdout=subprocess.DEVNULL)
+    stop = {c: name for name, c in STOP_CODES.items()}.get(code)
+    if stop is not None:
+        raise TrainingInterrupted(f"stopped ({stop}): every process of this attempt ended; {out} keeps its newest "
+                                  "complete checkpoint: continue with the same command and --resume", exit_code=code)
     ooms = [json.loads(p.read_text()) for p in sorted(markers.glob("oom-rank*.json"))]
     if ooms:
         return "; ".join(f"rank {o['rank']}: {o['error']}" for o in ooms)
-    if proc.returncode != 0:
-        said = _rank_error(proc.stderr)
-        raise MemfitError(f"training failed (exit {proc.returncode}), not for lack of memory: {said}")
+    if code != 0:
+        raise MemfitError(f"training failed (exit {code}), not for lack of memory: {_rank_error(''.join(stderr))}")
     return None
 
 
