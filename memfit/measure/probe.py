@@ -242,25 +242,11 @@ def _claim_baseline(components: dict[str, int], parts: dict[str, int]) -> dict[s
 
 
 def _raw_event_peak(results: Any, device: str) -> int:
-    """Highest running sum of the allocation events (bytes allocated minus freed) inside the window."""
-    from torch._C._profiler import _EventType
+    """Highest running sum of the allocation events inside the window (bytes allocated minus freed), with the
+    frees the profiler cannot see (another thread's: gloo's) restored: memfit.measure.alloc_events."""
+    from memfit.measure.alloc_events import raw_event_peak
 
-    dev = torch.device(device)
-    events = []
-    stack = list(results.experimental_event_tree())
-    while stack:
-        ev = stack.pop()
-        stack.extend(ev.children)
-        if ev.tag == _EventType.Allocation:
-            fields = ev.typed[1]
-            if fields.device.type == dev.type:
-                events.append((ev.start_time_ns, fields.alloc_size))
-    events.sort(key=lambda e: e[0])
-    run = peak = 0
-    for _, size in events:
-        run += size
-        peak = max(peak, run)
-    return peak
+    return raw_event_peak(results, device)
 
 
 def _timeline_peak(results: Any, device: str,
