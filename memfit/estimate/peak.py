@@ -87,7 +87,9 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     # through the layers' backward (root_grad) — neither is live in the optimizer step
     root, root_g = bufs.root_bufs, bufs.root_grad
     tail_bufs = tail_bufs + root
-    phases = [(g_keep + autocast_copy + held_saved + logits + tail_bufs, mask)]  # A: start of backward
+    # A: start of backward (FSDP1: + the last decoder layer, prefetched by the root's pre-backward hook, which
+    # the loss's backward node triggers: memfit.estimate.fsdp1)
+    phases = [(g_keep + autocast_copy + held_saved + logits + tail_bufs + bufs.start_bufs, mask)]
     # F: the loss, end of forward: the 16-bit logits (the model's output), their fp32 upcast and the
     # log-softmax (8 B per logit in fp32, where the upcast is the logits themselves)
     fwd_logits = (logits - saved.head_grad) * ((e if e != 4.0 else 0.0) + 8.0) / 12.0 + saved.head_grad
@@ -102,7 +104,9 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     g_last = g_free * min(1.0, last)
     first = (nums.layer_params + model.embedding_parameters) / total if full else 1.0 / model.layers
     g_first = g_free * max(0.0, 1.0 - first)
-    layer_bufs = bufs.layer_bufs + root + root_g
+    # FSDP1: a unit's unsharded gradient + reduce-scatter output live only in its post-backward hook, after its
+    # backward's working set is freed and its own parameters resharded (phase P below, memfit.estimate.fsdp1)
+    layer_bufs = bufs.layer_bufs - bufs.layer_comm + root + root_g
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
@@ -111,6 +115,12 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]
+    if bufs.post_bufs:  # P (FSDP1): the last layer's post-backward hook — the layers' inputs below (their saved
+        # tensors without checkpointing), the prefetched layer, the unit's unsharded gradient + reduce-scatter
+        # output, the root, the gradient of the layer's input
+        below = act_in if gc else autocast_copy + (act_layers + adapter_acts) * (model.layers - 1) / model.layers
+        hidden = float(b) * s * model.hidden * (4.0 if (e == 4.0 or saved.autocast or params.fp32_stream) else e)
+        phases.append((g_keep + below + bufs.post_bufs + root + root_g + hidden + g_last, 0.0))
     if bufs.end_extra:  # E (FSDP1, full fine-tuning): the backward's end, the root's gradient made and reduced;
         # under no_sync beside every unit's unsharded gradient, and not reduce-scattered (no shard-sized output)
         rs_out = F1.root_parameters(model) * e / run.world if accum else 0.0

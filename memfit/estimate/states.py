@@ -33,6 +33,11 @@ class Buffers(NamedTuple):
     root_bufs: float = 0.0  # part of gathered live from the forward's start to the backward's end (FSDP1 root)
     root_grad: float = 0.0  # part of comm live through the layers' backward (FSDP1: the head's pending gradient)
     end_extra: float = 0.0  # held only at the backward's end (FSDP1 full: embedding grad + root's unsharded grad)
+    layer_comm: float = 0.0  # part of layer_bufs held only in a unit's post-backward hook, not beside the layer's
+    # backward working set (FSDP1: the unit's unsharded gradient + reduce-scatter output)
+    post_bufs: float = 0.0  # FSDP1: what a unit's post-backward hook holds of the layer buffers (the prefetched
+    # decoder layer, if any, + layer_comm)
+    start_bufs: float = 0.0  # FSDP1: the last decoder layer the root's pre-backward hook prefetches (phase A)
 
 
 def model_states(run: Setup, params: Parameters) -> States:
@@ -113,17 +118,20 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
 
 
 def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
-    """FSDP1 full_shard (each term's source: memfit.estimate.fsdp1): two decoder layers gathered (current +
-    BACKWARD_PRE's prefetched; the rate limiter's two in-flight all-gathers) + the prefetched unit's
-    low-precision (or offload-copied) shard, the root unit gathered from the forward's start to the backward's
-    end, one layer's unsharded gradients + reduce-scatter output; full fine-tuning also holds the head's
-    gradient through the layers' backward and, at the backward's end, the embedding's and the root's whole
-    unsharded gradient."""
+    """FSDP1 full_shard (each term's source: memfit.estimate.fsdp1): the decoder layers gathered while a layer
+    runs backward (current + BACKWARD_PRE's prefetched; one where adapter units are nested) + the prefetched
+    unit's low-precision (or offload-copied) shard, the last layer prefetched from the backward's first node,
+    the root unit gathered from the forward's start to the backward's end, one layer's unsharded gradients +
+    reduce-scatter output in its post-backward hook; full fine-tuning also holds the head's gradient through
+    the layers' backward and, at the backward's end, the embedding's and the root's whole unsharded gradient."""
     model, p, n, trainable = run.model, run.profile, run.world, params.trainable
     half = run.value_b
     layer_b, _, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
                                        trainable, half, half)
     root_b, head_g = F1.root_unit(model, half)
+    layers = F1.backward_layers(run.method.name, p.gathered_layers)
+    if layers < p.gathered_layers:  # PEFT's adapter units: a decoder-layer unit holds the frozen weights only;
+        layer_b -= layer_t * half  # its adapters are units of their own, gathered one at a time (a few kB)
     comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one unit's unsharded grads + the reduce-scatter output
     # the prefetched unit's shard on the device while it gathers: _mp_shard (param dtype) where the flat
     # parameter is another dtype (fp32 trainable under mixed precision), or the offload H2D copy of the
@@ -132,7 +140,8 @@ def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
     shard = 0.0
     if flat_b != half or run.offload_params:
         shard = layer_b / n * (flat_b / half if run.offload_params else 1.0)
-    gathered = p.gathered_layers * layer_b + shard + root_b
+    gathered = layers * layer_b + shard + root_b
+    layer_comm = comm  # the post-backward hook's: after the unit's own reshard, beside the prefetched layer only
     root_grad = end_extra = 0.0
     if run.method.trains_base:
         root_grad = head_g
@@ -142,4 +151,5 @@ def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
         emb = float(model.embedding_parameters) * half
         end_extra = emb + F1.root_parameters(model) * half * (1.0 + 1.0 / n)
     return Buffers(gathered, comm, 0.0, gathered - root_b + comm - root_grad, 0.0, g_comm,
-                   root_bufs=root_b, root_grad=root_grad, end_extra=end_extra)
+                   root_bufs=root_b, root_grad=root_grad, end_extra=end_extra, layer_comm=layer_comm,
+                   post_bufs=(layers - 1.0) * layer_b + layer_comm, start_bufs=layer_b)
