@@ -213,9 +213,10 @@ def test_fsdp1_phases_by_hand():
     holds its tail (512,256 x 4 B), and the last decoder layer the root's pre-backward hook prefetched
     (692,736 x 4 B; LoRA: the frozen layer alone, its adapters are units of their own). Measured: 138.41 -
     133.59 = 4.82 MB (full), 115.25 - 110.43 = 4.82 MB (LoRA). With checkpointing the peak is the last
-    layer's recomputation: FSDP1 adds the root and the head's pending gradient (512,256 x 4 B) and holds no
+    layer's recomputation: FSDP1 adds the root and the head's pending gradient (512,256 x 4 B), holds no
     unsharded gradient + reduce-scatter output there (1.5 x 692,736 x 4 B: its post-backward hook's), where
-    FSDP2 keeps the previous layer's reduce-scatter input."""
+    FSDP2 keeps the previous layer's reduce-scatter input, and no head gradient shard yet (512,000 x 4 B / 2:
+    FSDP1 reduces its root at the backward's end)."""
     keys = dict(precision="fp32", seq_len=512, micro_batch_size=2, fsdp="full_shard", lora_dropout=0.0, lora_r=16,
                 lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     layer, root, tail = 692_736 * 4, 1_024_256 * 4, 512_256 * 4
@@ -226,7 +227,7 @@ def test_fsdp1_phases_by_hand():
     one = _mem(TINY, "2xCPU", method="full", fsdp_version=1, gradient_checkpointing=True, **keys)
     two = _mem(TINY, "2xCPU", method="full", fsdp_version=2, gradient_checkpointing=True, **keys)
     assert one["gpu_allocated_bytes"] - two["gpu_allocated_bytes"] == pytest.approx(
-        root + tail - 1.5 * layer, abs=2)  # 1,989,632 B; measured 66.05 - 63.70 = 2.35 MB
+        root + tail - 1.5 * layer - 512_000 * 4 / 2, abs=2)  # 965,632 B; measured 66.05 - 63.70 = 2.35 MB
 
 
 # ---------------------------------------------------------------- CPU RAM follows the loading path

@@ -5,7 +5,9 @@ DeepSpeed drops its averaged partitions after the step, as measured with gloo on
 grad_accum = 1 they build up only while backward frees activations; with accumulation they are live
 throughout. Phases: A = start of backward (all saved activations + logits); F = the loss at the end of
 forward; with checkpointing B1 = last layer recomputing (inputs + its working set + logits' grads); B2 =
-backward at the first layer (its working set + nearly all gradients); C = the optimizer step (grads +
+backward at the first layer (its working set + nearly all gradients); FSDP1 only: P = the last layer's
+post-backward hook (its unsharded gradient + reduce-scatter output beside the prefetched layer, after the
+working set is freed) and E = the backward's end (the root's gradient); C = the optimizer step (grads +
 step temporaries).
 
 FSDP with accumulation under ``no_sync`` (``fsdp_sync_each_batch=false``) keeps *unsharded* gradients between
@@ -100,9 +102,13 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     # gradients live while the last layer runs backward: the head's and that layer's (full fine-tuning)
     # or one layer's adapters; while the first layer runs backward: all but its own and the embedding's
     total, full = run.total_params, run.method.trains_base
-    last = (nums.layer_params + model.head_parameters) / total if full else 1.0 / model.layers
+    # FSDP1 full fine-tuning: the head's gradient waits unsharded in autograd (root_g) and the root is reduced
+    # only at the backward's end (phase E): no head shard beside the layers' backward
+    head = 0.0 if root_g else model.head_parameters
+    last = (nums.layer_params + head) / total if full else 1.0 / model.layers
     g_last = g_free * min(1.0, last)
-    first = (nums.layer_params + model.embedding_parameters) / total if full else 1.0 / model.layers
+    first = (nums.layer_params + model.embedding_parameters + model.head_parameters - head) / total if full \
+        else 1.0 / model.layers
     g_first = g_free * max(0.0, 1.0 - first)
     # FSDP1: a unit's unsharded gradient + reduce-scatter output live only in its post-backward hook, after its
     # backward's working set is freed and its own parameters resharded (phase P below, memfit.estimate.fsdp1)
