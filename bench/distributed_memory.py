@@ -138,14 +138,11 @@ def _quantized(model):
                                                     attn_implementation="sdpa")
 
 
-def peak_worker(case: str) -> None:
+def build_case(case: str):
+    """(model wrapped as the case says, its AdamW, the token ids) on this rank (the process group is up)."""
     import torch
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from estimate_vs_probe_dist import optimizer_step, second_step_peak  # bench/, beside this script
-
-    dist.init_process_group("gloo")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**PEAK_RAW, attn_implementation="sdpa"))
@@ -165,7 +162,18 @@ def peak_worker(case: str) -> None:
     model = _wrap(model, case, peft_model)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, PEAK_RAW["vocab_size"], (2, 512), generator=g)
+    return model, opt, torch.randint(0, PEAK_RAW["vocab_size"], (2, 512), generator=g)
+
+
+def peak_worker(case: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from estimate_vs_probe_dist import optimizer_step, second_step_peak  # bench/, beside this script
+
+    dist.init_process_group("gloo")
+    st = _peak_strategy(case)
+    model, opt, ids = build_case(case)
     measured = torch.tensor([second_step_peak(model, optimizer_step(model, opt, ids))])
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, measured)

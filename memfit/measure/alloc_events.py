@@ -26,33 +26,35 @@ from typing import Any
 import torch
 
 
-def _allocations(results: Any, device: str) -> list[tuple[int, int, int]]:
-    """(time, address, bytes; negative for a free) of every allocation event on ``device``, with a free
-    added at the caller's end for each gloo collective clone (rule 2 of the module docstring)."""
+def allocations(results: Any, device: str) -> list[tuple[int, int, int, tuple]]:
+    """(time, address, bytes — negative for a free —, the enclosing events' names) of every allocation event
+    on ``device``, with a free added at the caller's end for each gloo collective clone (rule 2 of the module
+    docstring); ordered in time, a free before an allocation at the same instant."""
     from torch._C._profiler import _EventType
 
     dev = torch.device(device)
-    events: list[tuple[int, int, int]] = []
-    clones: list[tuple[int, int, int, int]] = []  # (time, address, bytes, caller's end)
+    events: list[tuple[int, int, int, tuple]] = []
+    clones: list[tuple[int, int, int, int, tuple]] = []  # (time, address, bytes, caller's end, names)
     stack = [(ev, ()) for ev in results.experimental_event_tree()]
     while stack:
         ev, ancestors = stack.pop()
         if ev.tag == _EventType.Allocation:
             fields = ev.typed[1]
             if fields.device.type == dev.type:
-                events.append((ev.start_time_ns, fields.ptr, fields.alloc_size))
+                names = tuple(a.name for a in ancestors)
+                events.append((ev.start_time_ns, fields.ptr, fields.alloc_size, names))
                 if fields.alloc_size > 0:
                     end = _collective_caller_end(ancestors)
                     if end is not None:
-                        clones.append((ev.start_time_ns, fields.ptr, fields.alloc_size, end))
+                        clones.append((ev.start_time_ns, fields.ptr, fields.alloc_size, end, names))
             continue
         stack.extend((child, ancestors + (ev,)) for child in ev.children)
     events.sort(key=lambda e: e[0])
-    for t, ptr, size, end in clones:
+    for t, ptr, size, end, names in clones:
         freed = next((e for e in events if e[0] > t and e[1] == ptr), None)
         if freed is None or freed[2] > 0 and freed[0] > end:  # never freed, or its address reused unseen
-            events.append((end, ptr, -size))
-    events.sort(key=lambda e: (e[0], e[2] > 0))  # at the same instant a free before an allocation
+            events.append((end, ptr, -size, names))
+    events.sort(key=lambda e: (e[0], e[2] > 0))
     return events
 
 
@@ -76,7 +78,7 @@ def raw_event_peak(results: Any, device: str) -> int:
     life ended by its recorded free, by the reuse of its address, or by its collective call's return."""
     live: dict[int, int] = {}
     run = peak = 0
-    for _, ptr, size in _allocations(results, device):
+    for _, ptr, size, _ in allocations(results, device):
         if size > 0:  # (a free's event carries the negative size; empty tensors allocate nothing)
             run += size - live.get(ptr, 0)  # rule 1: the address was freed unseen before it came back
             live[ptr] = size
