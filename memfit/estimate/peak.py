@@ -126,7 +126,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
         # output, the root, the gradient of the layer's input
         below = act_in if gc else autocast_copy + (act_layers + adapter_acts) * (model.layers - 1) / model.layers
         hidden = float(b) * s * model.hidden * (4.0 if (e == 4.0 or saved.autocast or params.fp32_stream) else e)
-        phases.append((g_keep + below + bufs.post_bufs + root + root_g + hidden + g_last, 0.0))
+        post = bufs.post_bufs - (bufs.layer_comm if accum else 0.0)  # no_sync: the hook returns before reducing
+        phases.append((g_keep + below + post + root + root_g + hidden + g_last, 0.0))
     if bufs.end_extra:  # E (FSDP1, full fine-tuning): the backward's end, the root's gradient made and reduced;
         # under no_sync beside every unit's unsharded gradient, and not reduce-scattered (no shard-sized output)
         rs_out = F1.root_parameters(model) * e / run.world if accum else 0.0
