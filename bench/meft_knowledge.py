@@ -59,6 +59,12 @@ METHODS = (
            "meft_experts": 1}, (1e-2, 3e-2)),
     Method("full", "full fine-tuning", {"method": "full"}, (1e-3, 3e-3)),
 )
+# run only when named (--methods): MEFT at top-k 32 with a buffer of all K rows (meft.buffer_size), the
+# setting that matched the dense PA at 600 steps (docs/meft.md, "What separates MEFT from the dense PA")
+OPTIONAL = (
+    Method("meft-k32-buf256", f"MEFT K={K}, top-k 32 (12.5 %), 16 experts, {K}-row buffer",
+           {**MEFT, "meft_top_k": 32, "meft_experts": "auto", "meft_buffer_size": K}, (1e-2, 3e-2)),
+)
 
 
 @dataclass(frozen=True)
@@ -119,20 +125,31 @@ class Job:
 @contextmanager
 def meft_fields(extra: dict):
     """MeftConfig fields the run file does not expose (``init_keys_from_ffn``, ``buffer_size``...), set
-    for one run by wrapping the MEFT method's config step; memfit's defaults are back afterwards."""
-    if not extra:
+    for one run by wrapping the MEFT method's config step; memfit's defaults are back afterwards.
+    ``dense_adam: True`` (an ablation, not a MeftConfig field): every row of the CPU tables counts as
+    touched in every step, so MEFT's row-wise AdamW becomes torch's dense AdamW (rows the batch did not
+    select get a zero gradient: their moments decay and the momentum keeps moving them)."""
+    extra = dict(extra)
+    dense = extra.pop("dense_adam", False)
+    if not extra and not dense:
         yield
         return
     import dataclasses
 
+    from memfit.meft.store import CpuStore
     from memfit.methods.meft import Meft
 
-    original = Meft.config
-    Meft.config = lambda self, strategy: dataclasses.replace(original(self, strategy), **extra)
+    original, touched = Meft.config, CpuStore.touched_rows
+    if extra:
+        Meft.config = lambda self, strategy: dataclasses.replace(original(self, strategy), **extra)
+    if dense:
+        import torch
+
+        CpuStore.touched_rows = lambda self: torch.arange(self.touched.numel())
     try:
         yield
     finally:
-        Meft.config = original
+        Meft.config, CpuStore.touched_rows = original, touched
 
 
 def work(job: Job) -> Job:
@@ -253,7 +270,7 @@ def custom_setup(args) -> tuple:
     if args.quick and not args.methods:
         methods = tuple(replace(m, lrs=(QUICK_LR,)) for m in METHODS if m.name in QUICK_METHODS)
     if args.methods:
-        known = {m.name: m for m in METHODS}
+        known = {m.name: m for m in METHODS + OPTIONAL}
         wanted = args.methods.split(",")
         unknown = [w for w in wanted if w not in known]
         if unknown:
@@ -275,7 +292,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="docs/meft_knowledge.png")
     ap.add_argument("--replot", metavar="JSON", help="redraw the table and plot from results files "
                     "(comma-separated: their rows together), no training")
-    ap.add_argument("--methods", help="comma-separated subset of the methods (names as in METHODS)")
+    ap.add_argument("--methods", help="comma-separated methods (names as in METHODS, or OPTIONAL)")
     ap.add_argument("--lrs", help="comma-separated learning-rate grid for every chosen method")
     ap.add_argument("--steps", type=int, help="fine-tuning steps (default 150; --quick 300)")
     ap.add_argument("--seeds", help="comma-separated seeds (the first one picks the learning rate)")
@@ -300,7 +317,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meft_knowledge_"))
     workdir.mkdir(parents=True, exist_ok=True)
     raw = bench(setup, workdir, args.jobs, methods)
-    labels = {m.name: m.label for m in METHODS}
+    labels = {m.name: m.label for m in METHODS + OPTIONAL}
     rows = summarize(raw, labels)
     doc = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["bench/meft_knowledge.py", *(argv or sys.argv[1:])]),
            "setup": asdict(setup), "K": K, "rows": rows, **raw}

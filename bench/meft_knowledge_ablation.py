@@ -10,7 +10,13 @@ LoRA r=2 with the embeddings trained too; ``init`` the PA with random keys inste
 dropped) and with all 16 experts probed (exact top-k, no routing error); ``buffer-seeds`` the 256-row
 buffer at 600 steps on seeds 0-2 (to set beside bench/meft_knowledge.py --steps 600); ``lr600`` the rate
 searched again at 600 steps (3e-3, 1e-2, 3e-2) for the PA, MEFT top-k 12 and LoRA r=2;
-``signal`` (no training) how well the frozen base model carries the entity to the answer position.
+``signal`` (no training) how well the frozen base model carries the entity to the answer position;
+``gap`` what separates MEFT with a 256-row buffer (no drops) from the dense PA at 600 steps: exact top-k 12
+without a router (the PA's neurons, only the top 12 per token active) with MEFT's lazy row-wise AdamW and
+with dense AdamW, exact top-k 12 through the router's gate (all 16 experts probed), MEFT (4 of 16 probed)
+with dense AdamW, exact top-k 32 / 64 without a router (how recall follows the active share) and MEFT
+top-k 32 / 64 (4 / 8 of 16 experts probed) with a 256-row buffer; ``gap-seeds`` five of them (SEEDED_GAP)
+on seeds 0-2 (with ``--resume`` the seed-0 runs of ``gap`` are reused from the workdir).
 
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/meft_knowledge_ablation.py --workdir /tmp/mka
     .venv/bin/python bench/meft_knowledge_ablation.py --print    # its summary (--all: every run)
@@ -43,7 +49,7 @@ def variant(m: B.Method, name: str, label: str, lrs=GRID, **strategy) -> B.Metho
     return replace(m, name=name, label=label, strategy={**m.strategy, **strategy}, lrs=tuple(lrs))
 
 
-ORDER = "signal,lr,steps,place,init,buffer,buffer-seeds,lr600"  # the groups, in the order they run by default
+ORDER = "signal,lr,steps,place,init,buffer,buffer-seeds,lr600,gap,gap-seeds"  # the groups, in running order
 STEPS = replace(B.FULL, steps=1200, seeds=(0,))
 SEEDS600 = replace(B.FULL, steps=600, seeds=(0, 1, 2))
 
@@ -70,7 +76,37 @@ def groups(best: dict) -> dict:
         "lr600": (replace(SEEDS600, seeds=(0,)), [replace(m, lrs=(3e-3, 1e-2, 3e-2)) for m in (PA, MEFT12, R2)]),
         "buffer-seeds": (SEEDS600, [replace(MEFT12, name="meft-k12-buf256", label="MEFT top-k 12, 256-row buffer",
                                             lrs=at(MEFT12), meft_extra={"buffer_size": B.K})]),
+        "gap": (replace(SEEDS600, seeds=(0,)), gap_methods(at)),
+        "gap-seeds": (SEEDS600, [m for name in SEEDED_GAP for m in gap_methods(at) if m.name == name]),
     }
+
+
+SEEDED_GAP = ("exact-k12", "exact-k12-dense-adam", "meft-k32-buf256", "exact-k64", "meft-k12-probe16-buf256")
+
+
+def gap_methods(at) -> list:
+    """The ``gap`` group: every variant keeps all its chosen neurons (a buffer of all K rows), lr 1e-2."""
+    lrs = at(MEFT12)
+
+    def exact(k: int, name: str, label: str, **extra) -> B.Method:  # brute-force top-k, no router, no gate
+        m = variant(PA, name, label, lrs, meft_top_k=k, meft_experts=1)
+        return replace(m, meft_extra={"buffer_size": B.K, **extra})
+
+    def routed(name: str, label: str, n_probe: int, top_k: int = 12, **extra) -> B.Method:  # Key-Experts, gate
+        m = variant(MEFT12, name, label, lrs, meft_n_probe=n_probe, meft_top_k=top_k)
+        return replace(m, meft_extra={"buffer_size": B.K, **extra})
+
+    return [
+        exact(12, "exact-k12", "exact top-k 12, no router, lazy AdamW"),
+        exact(12, "exact-k12-dense-adam", "exact top-k 12, no router, dense AdamW", dense_adam=True),
+        routed("meft-k12-probe16-buf256", "MEFT top-k 12, all 16 experts probed (gate only), 256 rows", 16),
+        routed("meft-k12-buf256-dense-adam", "MEFT top-k 12 (4 of 16 probed), 256 rows, dense AdamW", 4,
+               dense_adam=True),
+        exact(32, "exact-k32", "exact top-k 32, no router, lazy AdamW"),
+        exact(64, "exact-k64", "exact top-k 64, no router, lazy AdamW"),
+        routed("meft-k32-buf256", "MEFT top-k 32 (4 of 16 probed), 256 rows", 4, top_k=32),
+        routed("meft-k64-buf256", "MEFT top-k 64 (8 of 16 probed), 256 rows", 8, top_k=64),
+    ]
 
 
 def run_group(name: str, setup: B.Setup, methods: list, workdir: Path, jobs: int, resume: bool) -> list[dict]:

@@ -72,8 +72,9 @@ def test_exact_match_on_a_hand_made_case():
 
 def test_a_run_stores_facts_and_meft_bytes_match_the_estimator(tmp_path):
     """A tiny random Llama trained through a run file and memfit.train.api.train on 24 facts: full
-    fine-tuning stores facts the untrained model does not know; a short MEFT run's device bytes of
-    trainable state match memfit's estimator within 5 % and its counters report bytes moved."""
+    fine-tuning stores facts the untrained model does not know; short MEFT runs' device bytes of trainable
+    state (default buffer, and ``meft.buffer_size`` = all rows) match memfit's estimator within 5 % and its
+    counters report bytes moved."""
     pytest.importorskip("transformers")
     import meft_knowledge as B
 
@@ -84,18 +85,22 @@ def test_a_run_stores_facts_and_meft_bytes_match_the_estimator(tmp_path):
     full = B.Method("full", "full", {"method": "full"}, (1e-2,))
     meft = B.Method("meft", "MEFT", {**B.MEFT, "meft_neurons": 64, "meft_top_k": 8, "meft_experts": "auto",
                                      "meft_n_probe": 4}, (1e-2,))
+    whole = B.Method("meft-buf", "MEFT, buffer of all rows", {**meft.strategy, "meft_buffer_size": 64}, (1e-2,))
     jobs = B.finetune_jobs(tmp_path, str(base), B.Setup(batch=24, steps=60), [full]) + \
-        B.finetune_jobs(tmp_path, str(base), B.Setup(batch=24, steps=4), [meft])
+        B.finetune_jobs(tmp_path, str(base), B.Setup(batch=24, steps=4), [meft, whole])
     tok = D.build_tokenizer()
     from transformers import AutoModelForCausalLM
 
     before = D.recall(AutoModelForCausalLM.from_pretrained(str(base)), tok, task["new_facts"])
-    trained, sparse = (j.result for j in B.run_jobs(jobs, 1))
+    trained, sparse, buffered = (j.result for j in B.run_jobs(jobs, 1))
     assert trained["steps"] == 60 and trained["recall"] >= before + 0.25, (before, trained["recall"])
     assert sparse["moved_bytes_per_step"] > 0 and sparse["measured"]["host_bytes"] > 0
     assert sparse["measured"]["parts"]["meft_buffers"] > 0
-    pred = sparse["predicted"]["device_bytes"]
-    assert abs(sparse["measured"]["device_bytes"] - pred) <= 0.05 * pred  # estimator vs measured, MEFT
+    for run in (sparse, buffered):  # estimator vs measured, MEFT with the default buffer and with meft.buffer_size
+        pred = run["predicted"]["device_bytes"]
+        assert abs(run["measured"]["device_bytes"] - pred) <= 0.05 * pred, (run["measured"], pred)
+    assert buffered["meft"]["buffer_rows"] == 64 and sparse["meft"]["buffer_rows"] == 16  # default: neurons / 4
+    assert buffered["measured"]["parts"]["meft_buffers"] == 4 * sparse["measured"]["parts"]["meft_buffers"]
     assert (tmp_path / "results" / f"{jobs[1].key}.json").is_file()
 
 

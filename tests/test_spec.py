@@ -17,6 +17,7 @@ def test_strategy_defaults_and_label():
         ({"zero_stage": 2, "fsdp": "full_shard"}, "two sharding engines"),
         ({"offload": "optimizer"}, "zero_stage>=1"),
         ({"zero_stage": 2, "offload": "optimizer+params"}, "zero_stage=3"),
+        ({"method": "meft", "meft_top_k": 64, "meft_buffer_size": 32}, "meft_buffer_size=32 is below meft_top_k=64"),
     ],
 )
 def test_strategy_rejects_impossible(kwargs, needle):
@@ -26,12 +27,13 @@ def test_strategy_rejects_impossible(kwargs, needle):
 
 def test_run_aliases_and_overrides():
     run = run_from_dict(
-        {"model": "llama-2-7b", "lora": {"r": 8}, "meft": {"top_k": 32}, "max_steps": 7},
+        {"model": "llama-2-7b", "lora": {"r": 8}, "meft": {"top_k": 32, "buffer_size": 512}, "max_steps": 7},
         ["strategy.gradient_checkpointing=true", "lora.alpha=64", "strategy.fsdp=full_shard"],
     )
     s = run.strategy
     assert (s.lora_r, s.lora_alpha, s.meft_top_k, s.gradient_checkpointing, s.fsdp) == (8, 64, 32, True, "full_shard")
     assert run.training.max_steps == 7
+    assert s.meft_buffer_size == 512 and Strategy().meft_buffer_size is None  # None: memfit.meft's default rule
 
 
 def test_run_unknown_key_names_field():

@@ -91,7 +91,8 @@ _SECTION_ALIASES = {
     "lora": {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "lora_targets",
              "rslora": "lora_rslora", "modules_to_save": "lora_modules_to_save", "rank_pattern": "lora_rank_pattern",
              "alpha_pattern": "lora_alpha_pattern"},
-    "meft": {"neurons": "meft_neurons", "top_k": "meft_top_k", "experts": "meft_experts", "n_probe": "meft_n_probe"},
+    "meft": {"neurons": "meft_neurons", "top_k": "meft_top_k", "experts": "meft_experts", "n_probe": "meft_n_probe",
+             "buffer_size": "meft_buffer_size"},
 }
 _TOP_LEVEL_SHORTCUTS = {"max_steps": "training.max_steps", "seed": "training.seed",
                         "learning_rate": "training.learning_rate", "method": "strategy.method"}

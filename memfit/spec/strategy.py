@@ -88,6 +88,8 @@ class Strategy(BaseModel):
     meft_top_k: int = Field(64, ge=1)
     meft_experts: Union[int, Literal["auto"]] = "auto"
     meft_n_probe: int = Field(8, ge=1)
+    meft_buffer_size: Optional[int] = Field(None, ge=1, description="device rows per layer for the batch's "
+                                            "union of active neurons; None = max(top_k, neurons/4)")
     # method=peft: the PEFT config (adapter_config.json's keys) as canonical JSON text; the run file's
     # ``peft_config:`` block (a mapping, or the path of an adapter_config.json) folds into it
     peft_config: Optional[str] = None
@@ -158,6 +160,9 @@ class Strategy(BaseModel):
             )
         if self.meft_experts != "auto" and self.meft_experts < 1:
             raise ValueError("meft_experts must be 'auto' or a positive integer")
+        if self.meft_buffer_size is not None and self.meft_buffer_size < self.meft_top_k:
+            raise ValueError(f"meft_buffer_size={self.meft_buffer_size} is below meft_top_k={self.meft_top_k}: "
+                             "the buffer must hold at least one token's neurons; raise it or leave it unset")
         if (self.method == "peft") != (self.peft_config is not None):
             raise ValueError("method=peft reads a peft_config (a mapping of PEFT config keys, or the path of an "
                              "adapter_config.json) and no other method does: set both or neither")

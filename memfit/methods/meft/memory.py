@@ -9,19 +9,22 @@ counters are the reference). The one copy: memfit.estimate reads it through the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 
-def meft_buffer_rows(neurons: int, top_k: int, profile: Any) -> float:
-    """Rows of each layer's fixed device buffers (memfit.meft's default buffer_size):
-    max(top_k, ceil(neurons x ``meft_buffer_fraction``)), capped at the neurons."""
+def meft_buffer_rows(neurons: int, top_k: int, profile: Any, buffer_size: Optional[int] = None) -> float:
+    """Rows of each layer's fixed device buffers (memfit.meft's buffer_size, strategy.meft_buffer_size):
+    when unset max(top_k, ceil(neurons x ``meft_buffer_fraction``)); capped at the neurons."""
+    if buffer_size:
+        return float(min(neurons, buffer_size))
     return float(min(neurons, max(top_k, math.ceil(neurons * profile.meft_buffer_fraction))))
 
 
-def meft_rows(model: Any, neurons: int, top_k: int, b: int, s: int, profile: Any) -> float:
+def meft_rows(model: Any, neurons: int, top_k: int, b: int, s: int, profile: Any,
+              buffer_size: Optional[int] = None) -> float:
     """Distinct adapter rows (β·K) a micro-batch activates per layer: the top-K union over b·s tokens,
     capped by the device buffer (:func:`meft_buffer_rows`)."""
-    return float(min(meft_buffer_rows(neurons, top_k, profile), top_k * b * s))
+    return float(min(meft_buffer_rows(neurons, top_k, profile, buffer_size), top_k * b * s))
 
 
 def meft_experts(neurons: int, experts) -> int:
@@ -41,7 +44,7 @@ def meft_traffic_bytes(model: Any, strategy: Any, profile: Any) -> dict[str, flo
     b, s, ga = strategy.micro_batch_size, strategy.seq_len, strategy.grad_accum
     e = 4.0 if strategy.precision == "fp32" else 2.0
     e_buf = p.meft_param_transfer_bytes or e
-    rows = meft_rows(model, strategy.meft_neurons, strategy.meft_top_k, b, s, p)
+    rows = meft_rows(model, strategy.meft_neurons, strategy.meft_top_k, b, s, p, strategy.meft_buffer_size)
     router = meft_experts(strategy.meft_neurons, strategy.meft_experts) > 1
     d, tokens = model.hidden, float(b) * s
     passes = 2.0 if strategy.gradient_checkpointing else 1.0
@@ -60,8 +63,8 @@ def meft_memory(model: Any, st: Any, p: Any, e: float, on_cpu: bool) -> tuple[fl
     # + what its autograd function saves: the FFN input x, the activations (b·s × β·K)
     # and with a router the gates (fp32) and the router's fp32 copy of x
     e_buf = p.meft_param_transfer_bytes or e
-    buf_rows = meft_buffer_rows(st.meft_neurons, st.meft_top_k, p)
-    rows = meft_rows(model, st.meft_neurons, st.meft_top_k, b, s, p)
+    buf_rows = meft_buffer_rows(st.meft_neurons, st.meft_top_k, p, st.meft_buffer_size)
+    rows = meft_rows(model, st.meft_neurons, st.meft_top_k, b, s, p, st.meft_buffer_size)
     router = meft_experts(st.meft_neurons, st.meft_experts) > 1
     h = model.hidden
     per_tok = e * h + rows * e_buf + ((4.0 * rows + (4.0 * h if e != 4.0 else 0.0)) if router else 0.0)
