@@ -73,7 +73,10 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def port_free(port: int) -> bool:
+    """Whether a new listener could take ``port`` (as torchrun's store would: SO_REUSEADDR, so a closed
+    connection's TIME_WAIT does not count; a process still listening does)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

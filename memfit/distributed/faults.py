@@ -70,20 +70,25 @@ def drill_callback(environ: Optional[dict] = None) -> Optional[Any]:
     return FaultDrill()
 
 
-def failure_line(err: BaseException) -> str:
-    """``rank 1 of 2 (node 1): RuntimeError: ...`` for this process's failure, in one line."""
+def where() -> str:
+    """``rank 1 of 2 (node 1)``: this process, as its lines name it."""
     from memfit.distributed.ranks import this_process
 
     me = this_process()
+    return f"rank {me['rank']} of {me['world_size']} (node {me['node_rank']})"
+
+
+def failure_line(err: BaseException) -> str:
+    """``rank 1 of 2 (node 1): RuntimeError: ...`` for this process's failure, in one line."""
     text = " ".join(str(err).split())[:300] or type(err).__name__
-    where = f"rank {me['rank']} of {me['world_size']} (node {me['node_rank']})"
+    where_ = where()
     if any(s in text.lower() for s in _PEER_LOST):
-        return (f"{where}: lost a peer rank in a collective ({type(err).__name__}: {text}); the rank that "
+        return (f"{where_}: lost a peer rank in a collective ({type(err).__name__}: {text}); the rank that "
                 "failed first is named by its own line or by the launcher")
     if type(err).__name__ == "OutOfMemoryError":
-        return (f"{where}: out of memory: {text}; lower strategy.micro_batch_size or seq_len, or shard more "
+        return (f"{where_}: out of memory: {text}; lower strategy.micro_batch_size or seq_len, or shard more "
                 "(memfit plan RUN.yaml)")
-    return f"{where}: {type(err).__name__}: {text}"
+    return f"{where_}: {type(err).__name__}: {text}"
 
 
 def fail_fast(code: int = 1) -> NoReturn:

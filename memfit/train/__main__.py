@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from memfit.distributed.ranks import rank_info
 
         if rank_info()[2] > 1:  # the peers may wait in a collective: end now, they follow
-            from memfit.distributed.faults import fail_fast
+            from memfit.distributed.faults import fail_fast, where
+            from memfit.distributed.watch import mark_failed
 
+            mark_failed(f"{where()}: {err}")
             fail_fast(2)
         return 2
     except (KeyboardInterrupt, TrainingInterrupted) as err:  # the step and how to resume, said once
@@ -64,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank_info()[2] == 1:
             raise
         from memfit.distributed.faults import fail_fast, failure_line
+        from memfit.distributed.watch import mark_failed
 
-        print(f"error: {failure_line(err)}", file=sys.stderr)
+        line = failure_line(err)
+        print(f"error: {line}", file=sys.stderr)
+        mark_failed(line)  # the ranks of other nodes, even one that hangs, end too (memfit.distributed.watch)
         fail_fast(1)
     if main_rank:
         if args.json:

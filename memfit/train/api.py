@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from memfit.distributed import engines
+from memfit.distributed.faults import where
 from memfit.distributed.ranks import gather_layout, layout_line, rank_info, set_collective_timeout
+from memfit.distributed.watch import watch_job
 from memfit.errors import IncompatibleError, MemfitError, TrainingInterrupted
 from memfit.io import atomic_dir, write_json, write_text
 
@@ -240,6 +242,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     trainer = build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
     state["trainer"] = trainer
     set_collective_timeout(run.distributed.timeout_s)  # a dead or hung peer ends every rank in bounded time
+    watch_job(where())  # across nodes too: a rank still alive after the job ended elsewhere ends
     agreed = prepare_folders(trainer, run, out, ckpt)  # one folder or one per node (collective)
     if main and agreed != ckpt and metrics_path.exists():
         trim_metrics(metrics_path, int(agreed.name.rsplit("-", 1)[-1]))
