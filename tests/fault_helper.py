@@ -109,3 +109,14 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def fault_run(tmp_path_factory, tiny_model_dir, name: str, timeout_s: int) -> tuple[Path, dict]:
+    """(folder, run dict) of the fault tests: the tiny LoRA run, 4 steps, a checkpoint every 2, 2 processes,
+    ``distributed.timeout_s`` as given."""
+    from conftest import lora_dialogue_run
+
+    root = tmp_path_factory.mktemp(name)
+    return root, {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=4,
+                                      checkpoint_interval=2),
+                  "distributed": {"nproc": 2, "timeout_s": timeout_s}}

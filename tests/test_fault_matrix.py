@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from fault_helper import alive, cause_lines, clean_env, descendants, losses, memfit, port_free, sets
+from fault_helper import alive, cause_lines, clean_env, descendants, fault_run, losses, memfit, port_free, sets
 
 TIMEOUT_S = 60  # distributed.timeout_s of these runs
 BOUND_S = 120  # a failing case ends within this (start-up of 2 processes on a loaded 2-core machine included)
@@ -28,12 +28,7 @@ BOUND_S = 120  # a failing case ends within this (start-up of 2 processes on a l
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    from conftest import lora_dialogue_run
-
-    root = tmp_path_factory.mktemp("matrix")
-    return root, {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=4,
-                                      checkpoint_interval=2),
-                  "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S}}
+    return fault_run(tmp_path_factory, tiny_model_dir, "matrix", TIMEOUT_S)
 
 
 # command, overrides, drill (the rank fails as it starts step 4: steps 1-3 logged, checkpoint-2 complete),

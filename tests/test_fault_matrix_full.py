@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from fault_helper import alive, cause_lines, clean_env, descendants, losses, port_free, sets
+from fault_helper import alive, cause_lines, clean_env, descendants, fault_run, losses, port_free, sets
 
 TIMEOUT_S = 30  # distributed.timeout_s of these runs
 BOUND_S = TIMEOUT_S + 150  # start-up of 2 processes with torch on a loaded 2-core machine included
@@ -39,12 +39,7 @@ pytestmark = [pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    from conftest import lora_dialogue_run
-
-    root = tmp_path_factory.mktemp("fullmatrix")
-    return root, {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=4,
-                                      checkpoint_interval=2),
-                  "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S}}
+    return fault_run(tmp_path_factory, tiny_model_dir, "fullmatrix", TIMEOUT_S)
 
 
 def _start(layout: str, run_file, overrides: list[str], port: int, env: dict, resume: bool) -> list:

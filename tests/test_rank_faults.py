@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from fault_helper import cause_lines, losses, memfit, port_free, sets
+from fault_helper import cause_lines, fault_run, losses, memfit, port_free, sets
 from memfit.distributed.faults import failure_line, root_cause
 
 TIMEOUT_S = 60  # distributed.timeout_s of these runs: every process must be gone well within it
@@ -23,12 +23,7 @@ TIMEOUT_S = 60  # distributed.timeout_s of these runs: every process must be gon
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model_dir):
-    from conftest import lora_dialogue_run
-
-    root = tmp_path_factory.mktemp("faults")
-    return root, {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=4,
-                                      checkpoint_interval=2),
-                  "distributed": {"nproc": 2, "timeout_s": TIMEOUT_S}}
+    return fault_run(tmp_path_factory, tiny_model_dir, "faults", TIMEOUT_S)
 
 
 CASES = {  # engine, fault; the rank fails as it starts step 4: steps 1-3 are logged, checkpoint-2 is complete
