@@ -61,6 +61,8 @@ def test_deepspeed_rank_fails_then_resume_gives_the_same_loss(base, case):
     before = losses(out)
     assert sorted(before) == [1, 2, 3] and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
+    if case == "zero3-kill":  # (ZeRO-3 resumed after a kill: tests/test_multinode.py; one resume here keeps CI short;
+        return                # every engine x fault x layout resumed: tests/test_fault_matrix_full.py)
     args[args.index("--master-port") + 1] = free_port()
     resumed, _ = memfit(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

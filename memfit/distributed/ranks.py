@@ -64,13 +64,28 @@ def layout_line(ranks: list[dict]) -> str:
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """Every later collective of the default group gives up after ``seconds`` (``distributed.timeout_s``).
-    Set again once the group is up: on the CPU the Trainer builds DDP's group without its ddp_timeout."""
+    """Every later collective gives up after ``seconds`` (``distributed.timeout_s``), in every process group:
+    the ones up now (on the CPU the Trainer builds DDP's group without its ddp_timeout) and the ones an engine
+    makes later (DeepSpeed's, built inside ``trainer.train``): ``new_group`` without a timeout takes
+    ``_get_default_timeout(backend)``, which reads the module's ``default_pg_timeout`` /
+    ``default_pg_nccl_timeout`` when it is called (torch/distributed/distributed_c10d.py,
+    ``_new_group_with_tag``), 30 / 10 minutes unless set here. Without it a ZeRO-2 rank waited on a hung peer
+    past 180 s (the whole fault matrix)."""
     dist = _group()
-    if dist is not None and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-        from datetime import timedelta
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is None or not hasattr(c10d, "_set_pg_timeout"):
+        return
+    from datetime import timedelta
 
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    timeout = timedelta(seconds=seconds)
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(c10d, name, None), timedelta):
+            setattr(c10d, name, timeout)
+    for group in list(getattr(c10d._world, "pg_map", {})) or [None]:
+        try:
+            c10d._set_pg_timeout(timeout, group)
+        except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in, or not a real one
+            pass
 
 
 def barrier() -> None:

@@ -29,6 +29,8 @@ PERIOD_S = 2.0  # how often the store is read
 GRACE_S = 15.0  # a failure elsewhere: time for this node's torchrun to stop this process first
 
 _store: Optional[Any] = None
+_stop = threading.Event()
+_thread: Optional[threading.Thread] = None
 
 
 def _connect() -> Optional[Any]:
@@ -63,9 +65,26 @@ def watch_job(where: str) -> Optional[threading.Thread]:
         return None
     if store is None:
         return None
-    thread = threading.Thread(target=_watch, args=(store, where), name="memfit-job-watch", daemon=True)
-    thread.start()
-    return thread
+    global _thread
+    import atexit
+
+    _stop.clear()
+    _thread = threading.Thread(target=_watch, args=(store, where), name="memfit-job-watch", daemon=True)
+    _thread.start()
+    atexit.register(stop_watch)
+    return _thread
+
+
+def stop_watch() -> None:
+    """End the watch thread and drop the store client while the interpreter is whole (at exit; a daemon
+    thread caught inside the store's C++ client at interpreter shutdown can abort the process, SIGABRT:
+    seen once in the whole fault matrix before this)."""
+    global _store, _thread
+    _stop.set()
+    if _thread is not None and _thread is not threading.current_thread():
+        _thread.join(timeout=15)
+    _thread = None
+    _store = None
 
 
 def _watch(store: Any, where: str) -> None:
@@ -73,8 +92,7 @@ def _watch(store: Any, where: str) -> None:
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     seen: Optional[float] = None
-    while True:
-        time.sleep(PERIOD_S)
+    while not _stop.wait(PERIOD_S):
         failed, line = False, ""
         try:
             if _listening(host, port):  # (first: the store client logs a C++ stack when its server is gone)
