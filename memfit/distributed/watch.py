@@ -93,22 +93,27 @@ def _watch(store: Any, where: str) -> None:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     seen: Optional[float] = None
     while not _stop.wait(PERIOD_S):
-        failed, line = False, ""
-        try:
-            if _listening(host, port):  # (first: the store client logs a C++ stack when its server is gone)
-                failed = store.check([FAILED_KEY])
-                line = store.get(FAILED_KEY).decode(errors="replace") if failed else ""
-            else:
-                raise ConnectionError
-        except Exception:  # noqa: BLE001 - node 0's launcher (the store's host) has ended
+        line = _failed_line(store, host, port)
+        if line is None:  # node 0's launcher (the store's host) has ended
             _say(f"error: {where}: stopped: the job's rendezvous store at {host}:{port} closed (node 0's "
                  "processes ended) while this rank was still running")
             fail_fast(1)
-        if failed:
+        if line:
             seen = seen or time.monotonic()
             if time.monotonic() - seen >= GRACE_S:
                 _say(f"error: {where}: stopped: the job ended after another rank failed ({line})")
                 fail_fast(1)
+
+
+def _failed_line(store: Any, host: str, port: int) -> Optional[str]:
+    """Another rank's failure line ("" while none failed); None when the store is gone. The port is probed
+    first: the store client logs a C++ stack when its server has gone."""
+    if not _listening(host, port):
+        return None
+    try:
+        return store.get(FAILED_KEY).decode(errors="replace") if store.check([FAILED_KEY]) else ""
+    except Exception:  # noqa: BLE001 - it went between the probe and the read
+        return None
 
 
 def _listening(host: str, port: int) -> bool:
