@@ -37,7 +37,10 @@ def _env() -> dict:
 
 def _run(cmd: list, cwd: Path, timeout: int = 900) -> None:
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # a rank that died of a signal: faulthandler's thread dump (where every thread was) before the tail
+    fatal = proc.stderr.find("Fatal Python error")
+    dump = proc.stderr[fatal:fatal + 4000] + "\n...\n" if fatal >= 0 else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + dump + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")

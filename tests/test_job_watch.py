@@ -72,3 +72,38 @@ def test_no_job_nothing_watched(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert watch.watch_job("rank 0 of 1 (node 0)") is None
     watch.mark_failed("nothing to tell")  # no store: nothing happens, nothing raised
+
+
+# a process that trains several runs in one job (memfit.measure.engine_matrix) and then exits while the
+# watch is busy in the store (PERIOD_S = 0: one store read after another)
+SEVERAL_RUNS = ("import threading, memfit.distributed.watch as w; w.PERIOD_S = 0.0; "
+                "ts = {w.watch_job('rank 0 of 2 (node 0)') for _ in range(6)}; "
+                "print(len(ts), sum(t.name == 'memfit-job-watch' for t in threading.enumerate()), flush=True)")
+
+
+def test_one_watch_per_process_and_it_ends_before_the_interpreter(store):
+    port, _server = store
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", SEVERAL_RUNS], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert (p.returncode, p.stdout.split()) == (0, ["1", "1"]), p.stderr[-2000:]
+        assert "terminate called" not in p.stderr
+
+
+def test_stop_watch_ends_the_thread(store, monkeypatch):
+    import threading
+
+    from memfit.distributed import watch
+
+    port, _server = store
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(watch, "_store", None)
+    monkeypatch.setattr(watch, "PERIOD_S", 0.01)
+    first = watch.watch_job("rank 0 of 2 (node 0)")
+    assert watch.watch_job("rank 0 of 2 (node 0)") is first and first.is_alive()
+    watch.stop_watch()
+    assert not first.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "memfit-job-watch"]

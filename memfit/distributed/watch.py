@@ -58,27 +58,37 @@ def mark_failed(line: str) -> None:
 
 def watch_job(where: str) -> Optional[threading.Thread]:
     """Start the daemon thread that ends this process once the job has ended elsewhere (None when this is
-    not a multi-process torchrun job). ``where``: this rank, as its lines name it."""
+    not a multi-process torchrun job). ``where``: this rank, as its lines name it.
+
+    One thread per process: a process that trains several runs in one job (memfit.measure.engine_matrix)
+    keeps the thread the first run started. Six threads, five of them never joined, were alive at the exit
+    of tests/test_chunked_distributed.py's ranks; one caught inside a store call at interpreter shutdown
+    aborts the process (see :func:`stop_watch`)."""
+    global _thread
+    if _thread is not None and _thread.is_alive():
+        return _thread
     try:
         store = _connect()
     except Exception:  # noqa: BLE001 - no store to watch (not started by torchrun): nothing to do
         return None
     if store is None:
         return None
-    global _thread
     import atexit
 
     _stop.clear()
     _thread = threading.Thread(target=_watch, args=(store, where), name="memfit-job-watch", daemon=True)
     _thread.start()
+    atexit.unregister(stop_watch)  # once, however many runs this process trains
     atexit.register(stop_watch)
     return _thread
 
 
 def stop_watch() -> None:
-    """End the watch thread and drop the store client while the interpreter is whole (at exit; a daemon
-    thread caught inside the store's C++ client at interpreter shutdown can abort the process, SIGABRT:
-    seen once in the whole fault matrix before this)."""
+    """End the watch thread and drop the store client while the interpreter is whole (at exit).
+
+    A daemon thread still inside the store's C++ client when the interpreter finalizes is ended by Python
+    (pthread_exit as it retakes the GIL) through C++ frames that cannot unwind: std::terminate, "terminate
+    called without an active exception", SIGABRT (tests/test_job_watch.py shows it with a bare thread)."""
     global _store, _thread
     _stop.set()
     if _thread is not None and _thread is not threading.current_thread():
