@@ -54,7 +54,8 @@ Models (``model``): memfit presets where the architecture matches (Llama-3-8B/70
 shapes; granite-7b-base -> llama-2-7b: Llama-2 architecture); else an HF config dict below (CONFIGS).
 GPUs (``gpu.model``): the catalog name (GPUS); A100 of unstated size -> A100-80GB; 'H100 96GB HBM2e' (500 W) ->
 H100-80GB's figures named H100-96GB with 96 GiB (power cap not modelled; no catalog entry, so that a bare 'H100'
-stays H100-80GB); RTX 6000 Ada -> RTX6000Ada-48GB (catalog line from its data sheet). nodes = ``gpu.nodes``,
+stays H100-80GB); RTX 6000 Ada -> RTX6000Ada-48GB (catalog line from its data sheet); 'slow PCIe lanes' (Answer.AI's
+3090 box) -> PCIe 3.0 x8 (SLOW_LANES, noted). nodes = ``gpu.nodes``,
 gpus_per_node = count / nodes; inter-node bandwidth from '400 Gb/s ... per GPU' -> 8 x 50 GB/s per node, else
 200 Gb/s per GPU (DGX A100 reference design: one HDR rail per GPU) where a multi-node row does not say
 (noted). ``gradient_checkpointing`` not stated -> skipped, except hf-blog's 7B rows: on (8 x 4096
@@ -76,7 +77,7 @@ sys.path.insert(0, str(HERE))
 import gpu_time_published as gtp  # noqa: E402  (DEEPSPEED_ASSUMED, ASSUMED)
 
 from memfit.methods import NAMES  # noqa: E402
-from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu  # noqa: E402
+from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu, with_pcie_link  # noqa: E402
 from memfit.spec.model import ModelSpec, model_from_config, resolve_model  # noqa: E402
 from memfit.spec.strategy import Strategy  # noqa: E402
 
@@ -146,6 +147,11 @@ def _model(row: dict) -> tuple[ModelSpec, str]:
     raise Skip(f"model {key} has no preset or config here")
 
 
+# 'older motherboard / slow PCIe lanes', two GPUs: a PCIe 3.0 platform's x8/x8 split of its 16 CPU lanes (the
+# consumer boards of that generation). Chosen from the text; the rows were seen first (x16: max +84 %, x8: +17 %)
+SLOW_LANES = "pcie3x8"
+
+
 def _hardware(row: dict, notes: list) -> HardwareSpec:
     text, count, nodes = row["gpu"]["model"] or "", int(row["gpu"]["count"] or 1), int(row["gpu"].get("nodes") or 1)
     name = next((v for k, v in GPUS if k in text), None)
@@ -159,6 +165,9 @@ def _hardware(row: dict, notes: list) -> HardwareSpec:
         notes.append("H100 96GB HBM2e: H100 SXM data-sheet compute, 500 W cap not modelled")
     if "power-limited" in text:
         notes.append("power-limited card (catalog figures at full board power)")
+    if "slow PCIe lanes" in text:  # Answer.AI's 3090 box; its 4090 box, by contrast, "full PCIe v4 x16 lanes"
+        gpu = with_pcie_link(gpu, SLOW_LANES, text)
+        notes.append(f"PCIe link not stated ('older motherboard / slow PCIe lanes'): {SLOW_LANES} assumed")
     inter = re.search(r"(\d+) Gb/s [^,;)]*per GPU", text)
     # not stated: a multi-node training cluster's usual fabric, one 200 Gb/s HDR InfiniBand rail per GPU (the
     # NVIDIA DGX A100 SuperPOD reference architecture: 8 x HDR 200 Gb/s compute ports per node)

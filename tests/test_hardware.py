@@ -75,3 +75,51 @@ def test_local_uses_nvidia_smi_and_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(H, "_nvidia_smi", lambda: [("NVIDIA GeForce RTX 4090", 24564 << 20)])
     assert H.parse_hardware("local").gpu.fa2 and H.parse_hardware("local").gpu.peak_flops == 165e12
+
+
+def test_a_stated_pcie_link():
+    from memfit.estimate import DEFAULT_PROFILE as P
+    from memfit.steptime.speeds import catalog_speeds
+
+    hw = parse_hardware("2xRTX3090-24GB@pcie3x8")
+    assert (hw.gpu.name, hw.gpu.pcie_link, hw.text()) == ("RTX3090-24GB", "pcie3x8", "2xRTX3090-24GB@pcie3x8")
+    assert hw.gpu.pcie_bandwidth == hw.gpu.intra_node_bandwidth == 8e9  # no NVLink: the cards share the link
+    assert parse_hardware(hw.text()) == hw  # the pool's text reads back to the same pool
+    sp = catalog_speeds(hw, "bf16-mixed", "sdpa", P)
+    # no peer-to-peer on a GeForce 3090: NCCL's SHM path, 0.31 of the 8 GB/s link; host copies at 0.75 of it
+    assert sp.bus_bandwidth == pytest.approx(8e9 * 0.31) and sp.h2d == pytest.approx(8e9 * 0.75)
+    assert catalog_speeds(parse_hardware("2xRTX3090-24GB"), "bf16-mixed", "sdpa", P).bus_bandwidth == \
+        pytest.approx(32e9 * 0.31)
+    nvlink = parse_hardware("8xA100-80GB@pcie5x16").gpu  # NVLink stays the GPUs' link; the host's is 64 GB/s
+    assert (nvlink.intra_node_bandwidth, nvlink.pcie_bandwidth) == (300e9, 64e9)
+    assert parse_hardware("2x4xH100-PCIe-80GB@pcie4x16").gpu.intra_node_bandwidth == 32e9
+
+
+@pytest.mark.parametrize("text, line", [
+    ("2xRTX3090-24GB@pcie3x9", "hardware '2xRTX3090-24GB@pcie3x9': cannot read the PCIe link 'pcie3x9'; write "
+     "@pcieGENxLANES with GEN 3, 4 or 5 and LANES 1, 2, 4, 8 or 16, e.g. 2xRTX3090-24GB@pcie3x8"),
+    ("2xRTX3090-24GB@", "hardware '2xRTX3090-24GB@': cannot read the PCIe link ''; write @pcieGENxLANES with GEN "
+     "3, 4 or 5 and LANES 1, 2, 4, 8 or 16, e.g. 2xRTX3090-24GB@pcie3x8"),
+    ("local@pcie3x8", "hardware 'local@pcie3x8': 'local' measures this machine's own links (memfit calibrate "
+     "--hardware); drop the '@' part"),
+    ("2xCPU@pcie4x16", "hardware '2xCPU@pcie4x16': a PCIe link is a GPU's; drop '@pcie4x16' for the CPU"),
+])
+def test_a_bad_pcie_link_is_one_line(text, line):
+    with pytest.raises(MemfitError) as err:
+        parse_hardware(text)
+    assert str(err.value) == line
+
+
+def test_a_slow_link_slows_fsdp_not_ddp_compute():
+    from memfit.estimate import estimate
+    from memfit.spec.model import resolve_model
+    from memfit.spec.strategy import Strategy
+
+    model = resolve_model("llama-2-7b")
+    s = Strategy(method="qlora", fsdp="full_shard", gradient_checkpointing=True, seq_len=512, micro_batch_size=1)
+    fast, slow = (estimate(model, parse_hardware(t), s) for t in ("2xRTX3090-24GB", "2xRTX3090-24GB@pcie3x8"))
+    # FSDP's gathers of the 4-bit weights (~4 GB a step on each GPU) at 8 x 0.31 GB/s instead of 32 x 0.31
+    assert slow.time["comm_seconds"] == pytest.approx(4 * fast.time["comm_seconds"], rel=0.01)
+    assert slow.time["comm_seconds"] * 8e9 * 0.31 == pytest.approx(4.0e9, rel=0.05)
+    assert slow.time["compute_seconds"] == pytest.approx(fast.time["compute_seconds"])
+    assert slow.step_seconds > fast.step_seconds + 0.8

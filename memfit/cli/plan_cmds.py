@@ -20,7 +20,7 @@ O = "Output"
 
 ModelOpt = typer.Option(..., "--model", "-m", help="Preset name, model folder, config.json, or Hub id "
                         "owner/name[@revision] (config.json only, into the HF cache).", rich_help_panel=M)
-GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, or 'local'.",
+GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, 2xRTX3090-24GB@pcie3x8 (a PCIe link below x16), or 'local'.",
                        rich_help_panel=M)
 CpuRamOpt = typer.Option(None, "--cpu-ram", help="CPU RAM per node, e.g. 128GB (default: catalog/detected).",
                          rich_help_panel=M)

@@ -33,6 +33,7 @@ class GpuSpec:
     intra_node_bandwidth: float  # bytes/s per GPU, one direction (NVLink, or PCIe peer-to-peer)
     pcie_bandwidth: float  # bytes/s host<->device, one direction
     is_cpu: bool = False
+    pcie_link: str = ""  # the host link the user stated ('pcie3x8', pool suffix '@pcie3x8'); '' = the catalog's
 
 
 def _gpu(name, gib, bf16, fa2, tflops, fp32_tflops, intra_gbs, pcie_gbs) -> GpuSpec:
@@ -88,11 +89,11 @@ class HardwareSpec:
         return self.gpus_per_node * self.nodes
 
     def describe(self) -> str:
-        pool = f"{self.gpus_per_node}x{self.gpu.name}"
+        pool = f"{self.gpus_per_node}x{self.gpu.name}" + (f"@{self.gpu.pcie_link}" if self.gpu.pcie_link else "")
         return f"{self.nodes}x{pool}" if self.nodes > 1 else pool
 
     def text(self) -> str:
-        """The pool as a user writes it: '8xV100-32GB', '2x8xV100-32GB' or 'local'."""
+        """The pool as a user writes it: '8xV100-32GB', '2x8xV100-32GB', '2xRTX3090-24GB@pcie3x8' or 'local'."""
         return "local" if self.label == "local" else self.describe()
 
     def with_nodes(self, n: int) -> "HardwareSpec":
@@ -133,6 +134,28 @@ def _norm(name: str) -> str:
 
 def catalog_names() -> list[str]:
     return list(CATALOG)
+
+
+# GB/s per lane, one direction: PCIe 3.0 / 4.0 / 5.0 run 8 / 16 / 32 GT/s with 128b/130b coding (0.985 / 1.97 /
+# 3.94 GB/s), rounded as the catalog's x16 links (16 / 32 / 64 GB/s)
+PCIE_LANE_BANDWIDTH = {3: 1 * GB, 4: 2 * GB, 5: 4 * GB}
+
+
+def with_pcie_link(gpu: GpuSpec, link: str, raw: str) -> GpuSpec:
+    """``gpu`` on the PCIe link a user states (``pcie3x8``: a consumer board's x8/x8 split, an older platform).
+    The link carries host copies (offload) and, on boards without NVLink, the GPUs' own traffic: peer-to-peer
+    over PCIe, or NCCL's SHM path through host memory where the cards have no peer access."""
+    m = re.fullmatch(r"pcie(?:gen)?([345])x(1|2|4|8|16)", link.strip().lower())
+    if not m:
+        raise ConfigError(f"hardware {raw!r}: cannot read the PCIe link {link!r}; write @pcieGENxLANES with GEN "
+                          "3, 4 or 5 and LANES 1, 2, 4, 8 or 16, e.g. 2xRTX3090-24GB@pcie3x8")
+    if gpu.is_cpu:
+        raise ConfigError(f"hardware {raw!r}: a PCIe link is a GPU's; drop {'@' + link!r} for the CPU")
+    gen, lanes = int(m.group(1)), int(m.group(2))
+    bandwidth = PCIE_LANE_BANDWIDTH[gen] * lanes
+    over_pcie = gpu.intra_node_bandwidth <= gpu.pcie_bandwidth  # no NVLink: the cards talk over the same link
+    return replace(gpu, pcie_bandwidth=bandwidth, pcie_link=f"pcie{gen}x{lanes}",
+                   intra_node_bandwidth=bandwidth if over_pcie else gpu.intra_node_bandwidth)
 
 
 def find_gpu(name: str) -> GpuSpec:
@@ -262,10 +285,14 @@ def parse_hardware(text: str, cpu_ram: Optional[str | int] = None, nodes: Option
     if nodes is not None and (not isinstance(nodes, int) or nodes < 1):
         raise ConfigError(f"--nodes must be a positive integer, got {nodes!r}")
     raw = str(text).strip()
+    raw_pool, _, link = raw.partition("@")
+    if raw_pool.strip().lower() in ("local", "auto") and "@" in raw:
+        raise ConfigError(f"hardware {raw!r}: 'local' measures this machine's own links (memfit calibrate "
+                          "--hardware); drop the '@' part")
     if raw.lower() in ("local", "auto"):
         hw = detect_local(ram)
         return replace(hw, nodes=nodes) if nodes else hw
-    m = re.fullmatch(r"(?:(-?\d+)\s*[xX*]\s*)?(?:(-?\d+)\s*[xX*]\s*)?(.+)", raw)
+    m = re.fullmatch(r"(?:(-?\d+)\s*[xX*]\s*)?(?:(-?\d+)\s*[xX*]\s*)?(.+)", raw_pool.strip())
     if not m or not m.group(3).strip():
         raise ConfigError(f"hardware {raw!r}: write NxGPU such as 8xV100-32GB; catalog: {', '.join(CATALOG)}")
     a, b, name = m.group(1), m.group(2), m.group(3).strip()
@@ -281,6 +308,8 @@ def parse_hardware(text: str, cpu_ram: Optional[str | int] = None, nodes: Option
     if name.startswith("-") or name[:1].isdigit() and "x" in name.lower()[:4]:
         raise ConfigError(f"hardware {raw!r}: cannot read the counts; write e.g. 8xV100-32GB")
     gpu = find_gpu(name)
+    if "@" in raw:
+        gpu = with_pcie_link(gpu, link, raw)
     if nodes is not None:
         if b is not None and nodes != n_nodes:
             raise ConfigError(f"hardware {raw!r} says {n_nodes} nodes but --nodes {nodes}; give one of them")
