@@ -331,6 +331,22 @@ def test_auto_with_bad_data_is_one_line(world, capsys, tmp_path):
     assert not (tmp_path / "auto").exists()
 
 
+def test_auto_checks_the_data_before_it_prints_a_plan(world, capsys, tmp_path):
+    """Issue 25 item 4: a bad line used to print the plan's 11 lines first, then the error."""
+    no_fields = tmp_path / "no_fields.jsonl"
+    no_fields.write_text('{"foo": 1}\n')
+    for data, needle in [(world["data_not_json"], "not_json.jsonl:2: not valid JSON"),
+                         (no_fields, "cannot tell the data format from the fields ['foo']")]:
+        argv = ["train", "--auto", "--model", world["model"], "--data", data, "--out", tmp_path / "auto",
+                "--seq-len", "64"]
+        before = _snapshot(world["finished"], world["file"], world["ckpt"])
+        code, out, err = _cli(capsys, argv)
+        assert code == 2 and err.strip().splitlines() == [err.strip()] and needle in err, err
+        assert out == "", out  # no plan before the refusal
+        assert _snapshot(world["finished"], world["file"], world["ckpt"]) == before
+        assert not (tmp_path / "auto").exists()
+
+
 def test_a_locked_output_dir_is_refused(world, capsys, tmp_path):
     from memfit.train.outdir import OutputLock
 

@@ -106,10 +106,14 @@ def _auto_run(model: Optional[str], data: Optional[str], out: Optional[str], seq
               micro_batch_size: int, methods: Optional[str], overrides: list[str], as_json: bool,
               sequences: Optional[int] = None, cpu_ram: Optional[str] = None):
     from memfit.spec.run import run_from_dict
+    from memfit.train.data import check_data
 
     if not model:
         raise ConfigError("--auto needs --model DIR (a local model folder with weights, or a Hub id "
                           "owner/name)")
+    data_spec = run_from_dict({"model": model, "hardware": "local", "data": {"path": data}}, overrides,
+                              source="--auto").data
+    check_data(data_spec)  # a bad line is refused before a plan is printed, not after
     p = local_plan(model, seq_len, micro_batch_size, methods.split(",") if methods else None,
                    sequences=sequences, cpu_ram=cpu_ram)
     if p.recommended is None:

@@ -152,7 +152,7 @@ def template_roles(tokenizer) -> tuple[str, ...]:
     return CHAT_ROLES + tuple(dict.fromkeys(r for r in named if r not in CHAT_ROLES))
 
 
-def _check_messages(rec: dict, source: str, roles: tuple[str, ...]) -> None:
+def _check_messages(rec: dict, source: str, roles: Optional[tuple[str, ...]]) -> None:
     msgs = rec["messages"]
     if not isinstance(msgs, list) or not msgs or not all(
         isinstance(m, dict) and "role" in m and "content" in m for m in msgs
@@ -163,14 +163,15 @@ def _check_messages(rec: dict, source: str, roles: tuple[str, ...]) -> None:
         if not isinstance(m["content"], str):
             raise MemfitError(f"{_where(source, rec)}: messages[{i}].content must be text, got "
                               f"{type(m['content']).__name__}")
-        if m["role"] not in roles:
+        if roles is not None and m["role"] not in roles:
             raise MemfitError(f"{_where(source, rec)}: messages[{i}].role {m['role']!r} is not a role the "
                               f"chat template accepts ({', '.join(roles)})")
     if not any(m["role"] == "assistant" for m in msgs):
         raise MemfitError(f"{_where(source, rec)}: no 'assistant' message to learn from")
 
 
-def check_fields(records: list[dict], fmt: str, source: str, roles: tuple[str, ...] = CHAT_ROLES) -> None:
+def check_fields(records: list[dict], fmt: str, source: str,
+                 roles: Optional[tuple[str, ...]] = CHAT_ROLES) -> None:
     fields = FORMAT_FIELDS[fmt]
     for rec in records:
         missing = [f for f in fields if f not in rec or rec[f] is None]
@@ -183,6 +184,17 @@ def check_fields(records: list[dict], fmt: str, source: str, roles: tuple[str, .
             bad = [f for f in fields if not isinstance(rec[f], str)]
             if bad:
                 raise MemfitError(f"{_where(source, rec)}: field(s) {', '.join(bad)} must be text")
+
+
+def check_data(spec) -> None:
+    """Read and check ``spec`` (a DataSpec) before anything else is done with the run: every line parses,
+    the format is known and every record has its fields. Chat roles are checked later, against the
+    model's own template."""
+    records, source = read_records(spec.path)
+    if not records:
+        raise MemfitError(f"{source}: the dataset is empty; it needs at least one record")
+    fmt = detect_format(records, source) if spec.format == "auto" else spec.format
+    check_fields(records, fmt, source, roles=None)
 
 
 # ---------------------------------------------------------------- tokenizing
