@@ -57,7 +57,7 @@ SEEDS600 = replace(B.FULL, steps=600, seeds=(0, 1, 2))
 def groups(best: dict) -> dict:
     """Each group: (setup, methods). ``best``: the lr group's best rate per method (later groups use it)."""
     at = lambda m: (best.get(m.name, m.lrs[0]),)  # noqa: E731
-    seed0 = replace(B.FULL, seeds=(0,))
+    seed0 = replace(B.FULL, steps=B.SHORT, seeds=(0,))  # the ablation's groups start at 150 steps
     return {
         "lr": (seed0, [replace(m, lrs=GRID) for m in (PA, MEFT12, R2, R32)]),
         "steps": (STEPS, [replace(m, lrs=at(m)) for m in (PA, MEFT12, MEFT4, MEFT_E1, R2, R32)]),

@@ -98,3 +98,51 @@ def plot(rows: list[dict], path: str, baseline: float | None = None, steps: int 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def shape_check(rows: list[dict]) -> list[str]:
+    """The paper's shape (issue 24's checklist), one PASS/FAIL line each, from the table's rows; a check whose
+    methods did not run is left out. "More than the spread": the margin exceeds both rows' half-ranges."""
+    by = {r["method"]: r for r in rows}
+    pct = lambda name: f"{name} {100 * by[name]['recall']:.1f} ± {100 * by[name]['recall_pm']:.1f} %"  # noqa: E731
+
+    def beats(a: str, b: str) -> bool:
+        return by[a]["recall"] - by[b]["recall"] > max(by[a]["recall_pm"], by[b]["recall_pm"])
+
+    checks = []
+    if {"lora-r2", "lora-r32", "pa-dense", "full"} <= set(by):
+        best = max(r["recall"] for r in rows)
+        checks.append((by["lora-r2"]["recall"] < min(by["lora-r32"]["recall"], by["pa-dense"]["recall"])
+                       and by["full"]["recall"] >= best - 0.03,
+                       f"recall rises with trainable parameters: {pct('lora-r2')} < {pct('lora-r32')}, "
+                       f"{pct('pa-dense')}; {pct('full')} the most (within 3 points)"))
+    if {"meft-k32-buf256", "pa-dense"} <= set(by):
+        m, pa = by["meft-k32-buf256"], by["pa-dense"]
+        share = m["device_meas"] / pa["device_meas"]
+        checks.append((m["recall"] >= pa["recall"] - 0.03 and share <= 0.5,
+                       f"MEFT at the same K within 3 points of the dense PA at <= 50 % of its device bytes: "
+                       f"{pct('meft-k32-buf256')} vs {pct('pa-dense')}, {100 * share:.0f} % of the bytes"))
+    for meft, lora in (("meft-k12", "lora-r2"), ("meft-k32-buf256", "lora-r8")):  # pairs of about equal bytes
+        if {meft, lora} <= set(by):
+            ratio = by[meft]["device_meas"] / by[lora]["device_meas"]
+            checks.append((beats(meft, lora) and ratio <= 1.5,
+                           f"MEFT beats LoRA at equal device bytes by more than the spread: {pct(meft)} vs "
+                           f"{pct(lora)} ({ratio:.2f}x the bytes)"))
+    if {"meft-k12", "meft-k4"} <= set(by):
+        checks.append((beats("meft-k12", "meft-k4"), f"top-k below 3 % visibly worse: {pct('meft-k4')} vs "
+                       f"{pct('meft-k12')}"))
+    if {"meft-k12", "meft-k12-e1"} <= set(by):
+        checks.append((by["meft-k12-e1"]["recall"] >= 0.8 * by["meft-k12"]["recall"],
+                       f"one expert works (>= 80 % of 16 experts' recall): {pct('meft-k12-e1')} vs "
+                       f"{pct('meft-k12')}"))
+    meft = [r for r in rows if r["method"].startswith("meft")]
+    if meft and "pa-dense" in by:
+        low = min(r["control"] for r in meft)
+        checks.append((low >= by["pa-dense"]["control"] - 0.03,
+                       f"control shows no loss from sparsity: MEFT's lowest {100 * low:.1f} % vs the dense PA's "
+                       f"{100 * by['pa-dense']['control']:.1f} % (within 3 points)"))
+    if meft:
+        worst = max(abs(r["device_pred"] / r["device_meas"] - 1) for r in meft)
+        checks.append((worst <= 0.05, f"estimator vs measured device bytes within 5 % for every MEFT "
+                       f"configuration: worst {100 * worst:.1f} %"))
+    return [f"{'PASS' if ok else 'FAIL'}  {text}" for ok, text in checks]

@@ -140,3 +140,31 @@ def test_quick_bench_meft_learns_and_beats_lora(tmp_path):
     assert meft["recall"] >= B.QUICK_RECALL
     assert meft["recall"] >= lora["recall"] + B.QUICK_MARGIN, (meft["recall"], lora["recall"])
     assert meft["device_meas"] <= B.QUICK_BYTES * lora["device_meas"]
+
+
+def test_shape_check_reads_the_papers_claims_from_the_rows():
+    """bench/meft_knowledge.py prints the issue's checklist as PASS/FAIL lines; each line can fail."""
+    from meft_knowledge_report import shape_check
+
+    def row(method, recall, pm=0.02, control=1.0, dev=1.0, pred=None):
+        return {"method": method, "recall": recall, "recall_pm": pm, "control": control,
+                "device_meas": dev, "device_pred": dev if pred is None else pred}
+
+    good = [row("lora-r2", 0.40, dev=0.079), row("lora-r8", 0.70, dev=0.315),
+            row("lora-r32", 0.95, dev=1.26), row("pa-dense", 0.80, dev=1.05),
+            row("meft-k12", 0.55, dev=0.098), row("meft-k4", 0.30, dev=0.098), row("meft-k12-e1", 0.50, dev=0.066),
+            row("meft-k32-buf256", 0.79, dev=0.295), row("full", 0.99, dev=3.5)]
+    lines = shape_check(good)
+    assert len(lines) == 8 and all(line.startswith("PASS") for line in lines), lines
+    bad = {r["method"]: dict(r) for r in good}
+    bad["meft-k12"].update(recall=0.43, recall_pm=0.05)          # ahead of LoRA by less than the spread
+    bad["meft-k32-buf256"].update(recall=0.70)                   # 10 points below the dense PA, = LoRA r=8
+    bad["meft-k4"].update(control=0.95)                          # sparsity cost the control 5 points
+    bad["meft-k12-e1"].update(device_pred=0.075)                 # estimator 14 % off
+    failed = [line for line in shape_check(list(bad.values())) if line.startswith("FAIL")]
+    assert [f.split(":")[0] for f in failed] == [
+        "FAIL  MEFT at the same K within 3 points of the dense PA at <= 50 % of its device bytes",
+        "FAIL  MEFT beats LoRA at equal device bytes by more than the spread",
+        "FAIL  MEFT beats LoRA at equal device bytes by more than the spread",
+        "FAIL  control shows no loss from sparsity",
+        "FAIL  estimator vs measured device bytes within 5 % for every MEFT configuration"], failed

@@ -43,10 +43,9 @@ class Meft(Method):
         return (f"MEFT trains {e.trainable_parameters / 1e9:.2f} B parameters ({share:.0%} of the model) while "
                 f"its adapter store ({e.cpu.get('meft_store', 0.0) / 1e9:.1f} GB) stays in CPU RAM and only the "
                 f"activated rows travel ({e.gpu.get('meft_buffers', 0.0) / 1e9:.2f} GB of buffers on the GPU): its "
-                "case is knowledge-heavy data (the paper: NQ, SQuAD, ToolBench); memfit's miniature, trained long "
-                "enough, recalled more than LoRA at equal GPU bytes and matched a dense adapter of the same size at "
-                "28% of its GPU bytes with 32 of 256 neurons active per token and buffered (12 were too few; "
-                "docs/meft.md).")
+                "case is knowledge-heavy data (the paper: NQ, SQuAD, ToolBench); memfit's miniature matched a dense "
+                "adapter of the same size at 28% of its GPU bytes (32 of 256 neurons active per token, buffered) but "
+                "did not recall more than LoRA at equal GPU bytes (docs/meft.md).")
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
         s = strategy
