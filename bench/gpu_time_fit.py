@@ -11,6 +11,10 @@ Rows: gpu-runs/public-time.jsonl (bench/public_time_rows.py maps them), IBM fms-
 memfit's own H200 checks (bench/gpu_time_published.py). Judged: every row whose source reliability is not
 'low' (the DeepSpeed issue's rows, whose batch and settings were not published, are printed apart).
 
+method=peft rows (PEFT's method comparison: any PEFT method from its own config) are scored, never fitted:
+the constants stay those of the named methods, the tables above them cover the named methods, and the
+PEFT methods get their own table and their own error bar ("peft, 1 GPU").
+
 Fitting: only the constants in FITTED (a grid each, coordinate descent, two rounds), to the mean over groups
 of each group's median |log(predicted / published)| (every group weighs the same, however many rows it
 has). Held out: each group's rows predicted with the constants fitted on the other groups. Kendall tau per
@@ -78,6 +82,15 @@ def judged(cases: list[TimeCase]) -> list[TimeCase]:
     return [c for c in cases if c.reliability != "low"]
 
 
+def named(cases: list[TimeCase]) -> list[TimeCase]:
+    """The rows of memfit's named methods (full, LoRA, QLoRA, DoRA): what the fit reads and the main tables show."""
+    return [c for c in cases if c.strategy.method != "peft"]
+
+
+def peft_type(c: TimeCase) -> str | None:
+    return json.loads(c.strategy.peft_config)["peft_type"] if c.strategy.method == "peft" else None
+
+
 def _loss(cases: list[TimeCase], profile) -> float:
     groups: dict[str, list[float]] = {}
     for c in cases:
@@ -86,7 +99,9 @@ def _loss(cases: list[TimeCase], profile) -> float:
 
 
 def fit(cases: list[TimeCase], base=DEFAULT_PROFILE, rounds: int = 2) -> dict:
-    """The FITTED constants minimising _loss on ``cases`` (coordinate descent from the Profile's values)."""
+    """The FITTED constants minimising _loss on ``cases``' named-method rows (coordinate descent from the
+    Profile's values)."""
+    cases = named(cases)
     values = {k: getattr(base, k) for k in FITTED}
     for _ in range(rounds):
         for name, grid in FITTED.items():
@@ -152,16 +167,29 @@ def kinds(cases: list[TimeCase], preds: list[float]) -> dict:
                 "median_abs_pct": round(statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
 
 
+def peft_methods(cases: list[TimeCase], preds: list[float]) -> dict:
+    """Per PEFT method (method=peft rows): the error range and median |error|, as kinds() gives them."""
+    out: dict[str, list[float]] = {}
+    for c, p in zip(cases, preds):
+        if c.strategy.method == "peft":
+            out.setdefault(peft_type(c), []).append(100.0 * (p / c.published_tps_per_gpu - 1.0))
+    return {k: {"rows": len(v), "min_pct": round(min(v), 1), "max_pct": round(max(v), 1),
+                "median_abs_pct": round(statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
+
+
 def accuracy(cases: list[TimeCase]) -> dict:
-    """What published_time_accuracy.json holds: the held-out ranges per kind and overall, and the fit."""
+    """What published_time_accuracy.json holds: the held-out ranges per kind (method=peft's included), the
+    overall figures of the named methods' rows, the PEFT methods one by one, and the fit."""
     jud = judged(cases)
     preds, fits = held_out(jud)
-    overall = by_group(jud, preds)["all"]
+    five = [i for i, c in enumerate(jud) if c.strategy.method != "peft"]
+    overall = by_group([jud[i] for i in five], [preds[i] for i in five])["all"]
     return {"held_out": True, "basis": "leave-one-group-out over published GPU throughputs (bench/gpu_time_fit.py)",
-            "rows": len(jud), "groups": sorted({c.group for c in jud}),
+            "rows": len(five), "groups": sorted({c.group for c in jud}),
             "median_abs_pct": round(100 * overall["median_abs"], 1), "max_abs_pct": round(100 * overall["max_abs"], 1),
+            "overall_is": "the named methods' rows (full, LoRA, QLoRA, DoRA); method=peft rows are scored apart",
             "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds),
-            "command": "python bench/gpu_time_fit.py --write"}
+            "peft_methods": peft_methods(jud, preds), "command": "python bench/gpu_time_fit.py --write"}
 
 
 def _pct(x) -> str:
@@ -174,6 +202,18 @@ def _table(title: str, scores: dict) -> list[str]:
         taus = ", ".join(f"{mg.split('/', 1)[1]} {k['tau']:+.2f} ({k['configs']})" for mg, k in s["kendall"].items())
         lines.append(f"  {g:22s} {s['n']:3d} {100 * s['median_abs']:8.1f}% {100 * s['max_abs']:7.1f}% "
                      f"{_pct(s['median_signed'])}  {taus if g != 'all' else ''}")
+    return lines
+
+
+def _peft_table(peft: list) -> list[str]:
+    """method=peft rows held out (constants fitted without their group), one line per PEFT method."""
+    table = peft_methods(*zip(*peft))
+    errs = [abs(p / c.published_tps_per_gpu - 1) for c, p in peft]
+    lines = [f"\nmethod=peft rows (any PEFT method from its config; scored, never fitted), held out: {len(peft)} "
+             f"rows, median |e| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%",
+             f"  {'PEFT method':18s} {'n':>3s} {'range':>17s} {'median|e|':>9s}"]
+    for k, v in table.items():
+        lines.append(f"  {k:18s} {v['rows']:3d} {v['min_pct']:+7.1f}..{v['max_pct']:+7.1f}% {v['median_abs_pct']:8.1f}%")
     return lines
 
 
@@ -193,13 +233,17 @@ def main(argv=None) -> int:
     cases = all_rows(args.file)
     if args.check:
         return check(cases)
-    jud, low = judged(cases), [c for c in cases if c.reliability == "low"]
+    scored, low = judged(cases), [c for c in cases if c.reliability == "low"]
+    all_out, fits = held_out(scored)
+    jud = named(scored)
     in_preds = [predict(c) for c in jud]
-    out_preds, fits = held_out(jud)
+    out_preds = [p for c, p in zip(scored, all_out) if c.strategy.method != "peft"]
+    peft = [(c, p) for c, p in zip(scored, all_out) if c.strategy.method == "peft"]
     acc = accuracy(cases) if args.write else None
     seeds = seed_time_checks.run()
     if args.json:
         print(json.dumps({"in_sample": by_group(jud, in_preds), "held_out": by_group(jud, out_preds), "fits": fits,
+                          "peft_methods_held_out": peft_methods(*zip(*peft)) if peft else {},
                           "seed_checks": seeds}, indent=1, default=str))
     else:
         print("err = predicted tokens/s per GPU / published - 1; fitted: " + ", ".join(
@@ -213,6 +257,8 @@ def main(argv=None) -> int:
             lp = [predict(c) for c in low]
             print("\nlow reliability (settings not published; not judged): " + ", ".join(
                 f"{c.id} {_pct(p / c.published_tps_per_gpu - 1)}" for c, p in zip(low, lp)))
+        if peft:
+            print("\n".join(_peft_table(peft)))
         print("\nseed 000 (arXiv 2406.02290) runtime findings, predicted on its setup:")
         for s in seeds:
             print(f"  {'PASS' if s['ok'] else 'FAIL'}  {s['finding']}: {s['detail']}")

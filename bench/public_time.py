@@ -55,13 +55,20 @@ def _summary(cases: list[TimeCase], preds: list[float]) -> dict:
             "median_signed": statistics.median(errs.values()) if errs else None, "signed": errs, "kendall": taus}
 
 
+def _group(c: TimeCase) -> str:
+    """The row's source group; method=peft rows (any other PEFT method) apart from the named methods'."""
+    return f"{c.group} (peft)" if c.strategy.method == "peft" else c.group
+
+
 def score(cases: list[TimeCase], preds: list[float]) -> dict:
-    """{group: {n, median_abs, max_abs, median_signed, signed {id: err}, kendall {model_group: {n, tau}}}, "all": ..."""
+    """{group: {n, median_abs, max_abs, median_signed, signed {id: err}, kendall {model_group: {n, tau}}},
+    "all": the named methods' rows (method=peft rows in their own "<group> (peft)" lines)}"""
     out = {}
-    for g in sorted({c.group for c in cases}):
-        idx = [i for i, c in enumerate(cases) if c.group == g]
+    for g in sorted({_group(c) for c in cases}):
+        idx = [i for i, c in enumerate(cases) if _group(c) == g]
         out[g] = _summary([cases[i] for i in idx], [preds[i] for i in idx])
-    out["all"] = _summary(list(cases), list(preds))
+    named = [i for i, c in enumerate(cases) if c.strategy.method != "peft"]
+    out["all"] = _summary([cases[i] for i in named], [preds[i] for i in named])
     return out
 
 

@@ -187,8 +187,13 @@ def _method(row: dict) -> tuple[str, dict]:
     if "LoRA-FA" in method:
         raise Skip("LoRA-FA optimizer (frozen A, projected updates) is not in memfit's registry")
     base = method.removesuffix("+dora")
-    if base not in ("lora", "qlora"):
-        raise Skip(f"method {method} not in memfit's registry ({', '.join(NAMES)})")
+    if base not in ("lora", "qlora"):  # any other PEFT method: memfit's method=peft from the row's own config
+        import gpu_published_rows
+
+        try:
+            return "peft", {"peft_config": gpu_published_rows.peft_config(pc, method, row)}
+        except gpu_published_rows.Skip as why:
+            raise Skip(str(why)) from None
     for flag in LORA_VARIANTS:
         if pc.get(flag):
             raise Skip(f"LoRA variant {flag} not in memfit's registry")

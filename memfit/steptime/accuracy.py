@@ -39,7 +39,8 @@ def describe_time(err: Optional[dict]) -> str:
         return "no published GPU throughput to check against yet"
     held = "held out" if err.get("held_out") else "in-sample"
     o = err["overall"]
-    every = f"all kinds: median {o['median_abs_pct']:.0f} %, max {o['max_abs_pct']:.0f} % on {o['rows']} runs"
+    every = (f"full/LoRA/QLoRA/DoRA runs: median {o['median_abs_pct']:.0f} %, max {o['max_abs_pct']:.0f} % on "
+             f"{o['rows']} runs")
     if err.get("kind") is None:
         return f"no published run of this kind; {every} ({held})"
     return (f"{err['kind']}: {err['min_pct']:+.0f}…{err['max_pct']:+.0f} % tokens/s on {err['rows']} published "
