@@ -252,3 +252,21 @@ def test_missing_peft_is_one_line(tmp_path):
     env = {"PYTHONPATH": ".", "MEMFIT_HWCAL": "off", "MEMFIT_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.count("\n") == 1 and "peft is missing" in out and "pip install 'memfit[train]'" in out
+
+
+def test_prompt_tuning_time_processes_the_virtual_tokens():
+    """PEFT's prompt tuning concatenates num_virtual_tokens embeddings in front of every sequence
+    (peft_model.py PeftModelForCausalLM.forward): the step's kernels see seq_len + those, the tokens counted
+    are seq_len. 200 virtual tokens at 568 take the compute of 1 at 767 (both 768 positions); tokens/s
+    then differ by 568 / 767 (less the optimizer's few microseconds for 199 more trained embeddings)."""
+    pytest.importorskip("peft")
+    model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
+
+    def timed(virtual: int, seq: int) -> dict:
+        pt = {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": virtual, "task_type": "CAUSAL_LM"}
+        return estimate(model, hw, Strategy(method="peft", peft_config=pt, precision="bf16", micro_batch_size=4,
+                                            seq_len=seq)).time
+
+    long_prompt, short_prompt = timed(200, 568), timed(1, 767)
+    assert long_prompt["compute_seconds"] == pytest.approx(short_prompt["compute_seconds"], rel=1e-12)
+    assert long_prompt["tokens_per_second"] / short_prompt["tokens_per_second"] == pytest.approx(568 / 767, rel=1e-3)

@@ -38,20 +38,24 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
               meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
-              fsdp: bool = False) -> dict[str, Any]:
+              fsdp: bool = False, prompt_tokens: int = 0) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
-    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
+    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``. ``prompt_tokens``:
+    virtual tokens a prompt-learning method puts in front of every sequence (PEFT's prompt tuning / P-tuning:
+    ``PeftModelForCausalLM.forward`` concatenates them to the input embeddings, so every layer, the attention
+    and the head process seq_len + these); they lengthen the micro-batch's shapes, not the tokens counted."""
     prec, method, ga = st.precision, st.method, st.grad_accum
+    shape = st.model_copy(update={"seq_len": st.seq_len + prompt_tokens}) if prompt_tokens else st
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
     router = p_t if method == "meft" else 0.0
     tensors_t = trainable_tensors(model, method, len(adapted))
     if sp.gpu is not None:  # a catalog GPU: the parts model (memfit.steptime)
-        mb = gpu_micro_batch(model, sp.gpu, st, e, method == "full", adapted, meft_rows, router, fp32_stream, p,
+        mb = gpu_micro_batch(model, sp.gpu, shape, e, method == "full", adapted, meft_rows, router, fp32_stream, p,
                              "fsdp" if fsdp else engine, tensors_t)
     else:  # adapted: empty unless LoRA-style (the registry)
-        mb = micro_batch(model, sp, st, e, method == "full", adapted, meft_rows, router, fp32_stream)
+        mb = micro_batch(model, sp, shape, e, method == "full", adapted, meft_rows, router, fp32_stream)
     off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
     local = p_t / (n if shard_o else 1)
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
