@@ -270,3 +270,35 @@ def test_prompt_tuning_time_processes_the_virtual_tokens():
     long_prompt, short_prompt = timed(200, 568), timed(1, 767)
     assert long_prompt["compute_seconds"] == pytest.approx(short_prompt["compute_seconds"], rel=1e-12)
     assert long_prompt["tokens_per_second"] / short_prompt["tokens_per_second"] == pytest.approx(568 / 767, rel=1e-3)
+
+
+def test_delta_weight_methods_time_their_second_linear(monkeypatch):
+    """LoHa applies its delta weight with a second F.linear(x, delta_w) beside the base layer
+    (peft/tuners/loha/layer.py:266-272), in fp32 under pure bf16 (fp32 adapters, the input cast to them):
+    per layer one GEMM of q_proj's shape and one of v_proj's each forward and two each backward, priced as
+    the base linears are (memfit.steptime.gemm) at the GPU's plain fp32 rate; and the delta weight, written in the
+    forward, its gradient written and read back: 12 B per weight value."""
+    pytest.importorskip("peft")
+    import memfit.methods.peft as peft_method
+    from memfit.steptime import work
+    from memfit.steptime.gemm import linear_seconds
+    from memfit.steptime.speeds import speeds_for
+    from memfit.estimate import DEFAULT_PROFILE
+
+    model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
+    st = Strategy(method="peft", peft_config=LOHA, precision="bf16", micro_batch_size=4, seq_len=210)
+    work_ = peft_method.METHOD.extra_layer_work(model, st, frozenset())
+    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0), (3072.0, 1024.0, 1.0))
+    assert work_["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
+    with_delta = estimate(model, hw, st).time["matmul_seconds"]
+    monkeypatch.setattr(peft_method, "DELTA_LINEAR_TYPES", frozenset())
+    work._PER_MODEL.clear()
+    without = estimate(model, hw, st).time["matmul_seconds"]
+    work._PER_MODEL.clear()
+    g = speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
+    extra = 0.0
+    for k, n in ((3072, 3072), (3072, 1024)):
+        fwd, bwd = linear_seconds(4 * 210, k, n, g, True, 4.0, True)
+        extra += 28 * (fwd + bwd)
+    assert with_delta - without == pytest.approx(extra, rel=1e-9)
+    assert extra > 0.02  # fp32 GEMMs of 840 tokens: tens of milliseconds per step, not a rounding error

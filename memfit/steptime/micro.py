@@ -21,7 +21,7 @@ from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
-from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
+from memfit.steptime.work import (adapted_width, method_gemms, elementwise_cached, kbit_cast_bytes, linear_area,
                                   lora_elementwise_bytes, method_work, per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
@@ -99,6 +99,10 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         mf, mb = linear_seconds(T, h, meft_rows, g, True, e)
         adapter_s += 2.0 * L * (mf + mb)
         adapter += 12.0 * T * h * meft_rows * L + 6.0 * T * router
+    for k, n, per_layer in method_gemms(model, st, adapted):  # e.g. LoHa's F.linear(x, delta_w), fp32 adapters
+        df, db = linear_seconds(T, k, n, g, True, 4.0 if fp32_adapter else e, fp32_adapter)
+        adapter_s += L * per_layer * (df * (2.0 if gc else 1.0) + db)
+        adapter += 2.0 * T * k * n * per_layer * L * (3.0 + (1.0 if gc else 0.0))
     heads, d = model.heads, model.head_dim
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     redo = 1.0 + (profile.attention_forward_share if gc else 0.0)

@@ -4,7 +4,8 @@ parameters exactly and to name the modules it wraps (:mod:`~memfit.methods.peft.
 only then, the count cached); the bytes each wrapped module saves for backward follow the method's PEFT
 layer code (:mod:`~memfit.methods.peft.saved`, each rule cited). Trained like the other adapters: fp32
 adapter parameters (PEFT's ``autocast_adapter_dtype``) with their gradients and optimizer state, the base
-frozen at 16 bits. The time model prices the base model's matmuls only (the adapters' are not modelled).
+frozen at 16 bits. The time model prices the base model's work, prompt learning's virtual tokens and the
+delta-weight methods' second linear (:meth:`Peft.extra_layer_work`); other adapters' own kernels are not timed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from memfit.errors import ConfigError
 from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
 from memfit.methods.peft.count import counted, peft_config_object
-from memfit.methods.peft.saved import adaption_prompt_bytes, saved_bytes
+from memfit.methods.peft.saved import DELTA_LINEAR_TYPES, adaption_prompt_bytes, saved_bytes
 
 
 def adapter_count(model: Any, strategy: Any) -> dict:
@@ -37,6 +38,19 @@ class Peft(Method):
         c = adapter_count(model, strategy)
         # the adapter's frozen additions (VeRA's projections, OSF's SVD factors) beside the base, in its dtype
         return Parameters(float(c["trainable"]), (float(model.parameters) + c["frozen_added"]) * half)
+
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict:
+        """The delta-weight methods' second linear (LoHa, LoKr, FourierFT, HiRA, WaveFT, PEANuT:
+        ``F.linear(x, delta_w)`` beside the base layer, saved.DELTA_LINEAR_TYPES): its GEMMs as
+        ``delta_linears`` (in, out, instances per layer), and the delta weight itself, written in the forward and
+        its gradient written and read back into the factors' in the backward: 3 x 4 B per weight value (fp32
+        adapters)."""
+        wrapped = [w for w in adapter_count(model, strategy)["wrapped"] if w["type"] in DELTA_LINEAR_TYPES]
+        if not wrapped:
+            return {}
+        per_layer = [(float(w["in"]), float(w["out"]), w["count"] / model.layers) for w in wrapped]
+        return {"delta_linears": tuple(per_layer),
+                "weight_bytes": sum(12.0 * k * n * c for k, n, c in per_layer)}
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
         """Virtual tokens prompt tuning / P-tuning put before every sequence (peft_model.py's

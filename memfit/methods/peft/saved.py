@@ -118,6 +118,13 @@ RULES: dict[str, Callable] = {
 }
 
 
+# layer types whose forward builds a weight-sized delta from trained factors and applies it with a second
+# F.linear(x, delta_w) beside the base layer (the RULES above, line numbers there): a GEMM of the base linear's
+# shape in the adapter dtype each forward, its two in backward
+DELTA_LINEAR_TYPES = frozenset({"loha.Linear", "lokr.Linear", "fourierft.FourierFTLinear", "hira.Linear",
+                                "waveft.WaveFTLinear", "peanut.Linear"})
+
+
 def adaption_prompt_bytes(cfg: dict, model: Any, e: float) -> tuple[float, float]:
     """(bytes per token per adapted layer, adapted layers): adaption_prompt/layer.py:183-203 recomputes the
     queries (kept by their matmul with the trained prompt's keys, compute dtype), keeps the fp32 softmax
