@@ -26,8 +26,7 @@ class Saved(NamedTuple):
 def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     model, st, p = run.model, run.strategy, run.profile
     s, b, gc, e = st.seq_len, st.micro_batch_size, run.gc, run.value_b
-    prompt = getattr(run.method, "prompt_tokens", None)  # method=peft's prompt tuning: virtual tokens in front
-    s += prompt(model, st) if prompt is not None else 0
+    s += run.method.prompt_tokens(model, st)  # method=peft's prompt tuning: virtual tokens in front
     fp32_stream, adapted = params.fp32_stream, params.adapted
     # fp32 adapters on a 16-bit base: PEFT casts lora_A's input to fp32; lora_A saves that copy in pure
     # bf16, or autocast's 16-bit copy of it under mixed precision (traced). In fp32, and where the engine

@@ -167,6 +167,11 @@ class Method:
         adapted linears' names. Empty: nothing beyond the family."""
         return {}
 
+    def prompt_tokens(self, model: Any, strategy: Any) -> int:
+        """Virtual tokens the method puts in front of every sequence (PEFT's prompt tuning): every layer, the
+        attention and the head process seq_len + these; the tokens counted stay seq_len. 0 for most."""
+        return 0
+
     def plan_note(self, estimate: Any) -> str:
         """A sentence for the planner's explanation where this method is listed: what it buys and where its
         case is ('' for none)."""
