@@ -288,7 +288,7 @@ def test_delta_weight_methods_time_their_second_linear(monkeypatch):
     model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
     st = Strategy(method="peft", peft_config=LOHA, precision="bf16", micro_batch_size=4, seq_len=210)
     work_ = peft_method.METHOD.extra_layer_work(model, st, frozenset())
-    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0), (3072.0, 1024.0, 1.0))
+    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, True), (3072.0, 1024.0, 1.0, True))
     assert work_["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
     with_delta = estimate(model, hw, st).time["matmul_seconds"]
     monkeypatch.setattr(peft_method, "DELTA_LINEAR_TYPES", frozenset())
@@ -302,3 +302,33 @@ def test_delta_weight_methods_time_their_second_linear(monkeypatch):
         extra += 28 * (fwd + bwd)
     assert with_delta - without == pytest.approx(extra, rel=1e-9)
     assert extra > 0.02  # fp32 GEMMs of 840 tokens: tens of milliseconds per step, not a rounding error
+
+
+def test_boft_times_its_rotation(monkeypatch):
+    """BOFT (peft/tuners/boft/layer.py Linear.forward:594-650, one butterfly factor) builds an in x in rotation
+    each forward — bmm(block_diag, P.T), bmm(P, .), @ eye: three in x in x in GEMMs in the input's dtype, and
+    three in backward (each product with a trained operand) — then x @ rotation, a linear of in x in whose
+    weight trains. q_proj and v_proj of Llama-3.2-3B both take in = 3072."""
+    pytest.importorskip("peft")
+    import memfit.methods.peft as peft_method
+    from memfit.estimate import DEFAULT_PROFILE
+    from memfit.steptime import work
+    from memfit.steptime.gemm import gemm_seconds, linear_seconds
+    from memfit.steptime.speeds import speeds_for
+
+    model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
+    boft = {"peft_type": "BOFT", "boft_block_size": 4, "boft_n_butterfly_factor": 1,
+            "target_modules": ["q_proj", "v_proj"]}
+    st = Strategy(method="peft", peft_config=boft, precision="bf16", micro_batch_size=4, seq_len=210)
+    work_ = peft_method.METHOD.extra_layer_work(model, st, frozenset())
+    assert work_["weight_gemms"] == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
+    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, False),) * 2
+    with_rotation = estimate(model, hw, st).time["matmul_seconds"]
+    monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: {})
+    work._PER_MODEL.clear()
+    without = estimate(model, hw, st).time["matmul_seconds"]
+    work._PER_MODEL.clear()
+    g = speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
+    fwd, bwd = linear_seconds(4 * 210, 3072, 3072, g, True, 2.0, False)
+    per_linear = 6 * gemm_seconds(3072, 3072, 3072, g, 2.0) + fwd + bwd
+    assert with_rotation - without == pytest.approx(28 * 2 * per_linear, rel=1e-9)

@@ -95,9 +95,13 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         fm = 12.0 * T * model.hidden * meft_rows * L
         fr = 6.0 * T * router  # MEFT's router (h x experts per layer), trained like any parameter
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
-    for k, n, per_layer in method_gemms(model, st, adapted):  # e.g. PEFT's LoHa: F.linear(x, delta_w)
+    linears, weight_gemms = method_gemms(model, st, adapted)
+    for k, n, per_layer, _ in linears:  # e.g. PEFT's LoHa: F.linear(x, delta_w); BOFT's x @ rotation
         fd = 2.0 * T * k * n * per_layer * L * (3.0 + (1.0 if gc else 0.0))
         adapter, adapter_s = adapter + fd, adapter_s + fd / sp.gemm(k, n)
+    for m_, n, k, fwd_n, bwd_n, per_layer in weight_gemms:  # e.g. BOFT's rotation, built every forward
+        fw = 2.0 * m_ * n * k * L * per_layer * (fwd_n * (2.0 if gc else 1.0) + bwd_n)
+        adapter, adapter_s = adapter + fw, adapter_s + fw / sp.gemm(k, n)
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
     se = 4.0 if fp32_stream else e  # the values the layer's elementwise work moves

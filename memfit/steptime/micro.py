@@ -18,7 +18,7 @@ from typing import Any
 
 from memfit.spec.model import ModelSpec
 from memfit.steptime.attention import eager_seconds, fused_seconds
-from memfit.steptime.gemm import linear_seconds
+from memfit.steptime.gemm import gemm_seconds, linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
 from memfit.steptime.work import (adapted_width, method_gemms, elementwise_cached, kbit_cast_bytes, linear_area,
@@ -99,10 +99,16 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         mf, mb = linear_seconds(T, h, meft_rows, g, True, e)
         adapter_s += 2.0 * L * (mf + mb)
         adapter += 12.0 * T * h * meft_rows * L + 6.0 * T * router
-    for k, n, per_layer in method_gemms(model, st, adapted):  # e.g. LoHa's F.linear(x, delta_w), fp32 adapters
-        df, db = linear_seconds(T, k, n, g, True, 4.0 if fp32_adapter else e, fp32_adapter)
+    linears, weight_gemms = method_gemms(model, st, adapted)
+    for k, n, per_layer, adapter_dtype in linears:  # e.g. LoHa's F.linear(x, delta_w), BOFT's x @ rotation
+        f32 = fp32_adapter and adapter_dtype
+        df, db = linear_seconds(T, k, n, g, True, 4.0 if f32 else e, f32)
         adapter_s += L * per_layer * (df * (2.0 if gc else 1.0) + db)
         adapter += 2.0 * T * k * n * per_layer * L * (3.0 + (1.0 if gc else 0.0))
+    for m_, n, k, fwd_n, bwd_n, per_layer in weight_gemms:  # e.g. BOFT's rotation, built every forward
+        count = fwd_n * (2.0 if gc else 1.0) + bwd_n
+        adapter_s += L * per_layer * count * gemm_seconds(m_, n, k, g, e)
+        adapter += 2.0 * m_ * n * k * L * per_layer * count
     heads, d = model.heads, model.head_dim
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     redo = 1.0 + (profile.attention_forward_share if gc else 0.0)

@@ -109,16 +109,20 @@ def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[flo
         ops = w.get("forward_ops", 0.0) * RECOMPUTE_DISPATCH * fwd + w.get("ops", 0.0) * (
             1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))
         largest = max([4.0 * x.in_features * x.out_features for x in model.linears if x.name in adapted]
-                      + [4.0 * k * n for k, n, _ in w.get("delta_linears", ())], default=1.0)
+                      + [4.0 * d[0] * d[1] for d in w.get("delta_linears", ())], default=1.0)
         return (w.get("weight_bytes", 0.0) * fwd, w.get("token_forward_bytes", 0.0) * fwd
                 + w.get("token_backward_bytes", 0.0), ops, largest)
     return per_model(("method-work", id(model), st.method, getattr(st, "peft_config", None), adapted, gc), model,
                      compute)
 
 
-def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple:
-    """The method's own GEMMs per layer and micro-batch (``Method.extra_layer_work``'s ``delta_linears``: a
-    second linear of the base's shape, e.g. PEFT's LoHa applying its delta weight): ((in, out, instances), ...)."""
+def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple]:
+    """The method's own GEMMs per layer and micro-batch (``Method.extra_layer_work``): (``delta_linears``: a
+    second linear per token, e.g. PEFT's LoHa applying its delta weight — (in, out, instances, in the adapter
+    dtype) —, ``weight_gemms``: products of weight-sized matrices whatever the tokens, e.g. BOFT's rotation —
+    (m, n, k, forward, backward, instances))."""
+    def compute():
+        w = METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS else {}
+        return tuple(w.get("delta_linears", ())), tuple(w.get("weight_gemms", ()))
     return per_model(("method-gemms", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
-                     lambda: tuple(METHODS[st.method].extra_layer_work(model, st, adapted).get("delta_linears", ()))
-                     if st.method in METHODS else ())
+                     compute)

@@ -5,7 +5,8 @@ only then, the count cached); the bytes each wrapped module saves for backward f
 layer code (:mod:`~memfit.methods.peft.saved`, each rule cited). Trained like the other adapters: fp32
 adapter parameters (PEFT's ``autocast_adapter_dtype``) with their gradients and optimizer state, the base
 frozen at 16 bits. The time model prices the base model's work, prompt learning's virtual tokens and the
-delta-weight methods' second linear (:meth:`Peft.extra_layer_work`); other adapters' own kernels are not timed.
+delta-weight methods' second linear and BOFT's rotation (:meth:`Peft.extra_layer_work`); other adapters' own
+kernels are not timed.
 """
 
 from __future__ import annotations
@@ -40,17 +41,33 @@ class Peft(Method):
         return Parameters(float(c["trainable"]), (float(model.parameters) + c["frozen_added"]) * half)
 
     def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict:
-        """The delta-weight methods' second linear (LoHa, LoKr, FourierFT, HiRA, WaveFT, PEANuT:
-        ``F.linear(x, delta_w)`` beside the base layer, saved.DELTA_LINEAR_TYPES): its GEMMs as
-        ``delta_linears`` (in, out, instances per layer), and the delta weight itself, written in the forward and
-        its gradient written and read back into the factors' in the backward: 3 x 4 B per weight value (fp32
-        adapters)."""
-        wrapped = [w for w in adapter_count(model, strategy)["wrapped"] if w["type"] in DELTA_LINEAR_TYPES]
-        if not wrapped:
-            return {}
-        per_layer = [(float(w["in"]), float(w["out"]), w["count"] / model.layers) for w in wrapped]
-        return {"delta_linears": tuple(per_layer),
-                "weight_bytes": sum(12.0 * k * n * c for k, n, c in per_layer)}
+        """The PEFT layer's own GEMMs per decoder layer, for the time model, read from its ``forward`` (peft
+        0.21.2):
+
+        - the delta-weight methods (LoHa, LoKr, FourierFT, HiRA, WaveFT, PEANuT: saved.DELTA_LINEAR_TYPES)
+          apply a weight-sized delta with a second ``F.linear(x, delta_w)`` beside the base layer, in the
+          adapter dtype: ``delta_linears`` (in, out, instances per layer, True); the delta itself is written
+          in the forward and its gradient written and read back into the factors' in the backward: 3 x 4 B per
+          weight value (fp32 adapters);
+        - BOFT (boft/layer.py ``Linear.forward``:594-650) rotates the input: it builds an in x in rotation from
+          the butterfly blocks with ``bmm(block_diag, P.T)``, ``bmm(P, .)`` for each of the N butterfly
+          factors, N - 1 chained products and ``@ eye`` (3N GEMMs of in x in x in, in the input's dtype; in
+          backward 4N - 1, every product with a trained operand), then ``x @ boft_rotation`` (a linear of
+          in x in whose weight trains): ``weight_gemms`` (m, n, k, forward, backward, instances per layer)."""
+        c = adapter_count(model, strategy)
+        wrapped = c["wrapped"]
+        per_layer = [(float(w["in"]), float(w["out"]), w["count"] / model.layers) for w in wrapped
+                     if w["type"] in DELTA_LINEAR_TYPES]
+        out: dict = {}
+        if per_layer:
+            out["delta_linears"] = tuple((k, n, share, True) for k, n, share in per_layer)
+            out["weight_bytes"] = sum(12.0 * k * n * share for k, n, share in per_layer)
+        boft = [(float(w["in"]), w["count"] / model.layers) for w in wrapped if w["type"] == "boft.Linear"]
+        if boft:
+            factors = int(c["config"].get("boft_n_butterfly_factor") or 1)
+            out["delta_linears"] = out.get("delta_linears", ()) + tuple((k, k, share, False) for k, share in boft)
+            out["weight_gemms"] = tuple((k, k, k, 3.0 * factors, 4.0 * factors - 1.0, share) for k, share in boft)
+        return out
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
         """Virtual tokens prompt tuning / P-tuning put before every sequence (peft_model.py's
