@@ -288,7 +288,7 @@ def test_delta_weight_methods_time_their_second_linear(monkeypatch):
     model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
     st = Strategy(method="peft", peft_config=LOHA, precision="bf16", micro_batch_size=4, seq_len=210)
     work_ = peft_method.METHOD.extra_layer_work(model, st, frozenset())
-    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, True), (3072.0, 1024.0, 1.0, True))
+    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, True, True), (3072.0, 1024.0, 1.0, True, True))
     assert work_["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
     with_delta = estimate(model, hw, st).time["matmul_seconds"]
     monkeypatch.setattr(peft_method, "DELTA_LINEAR_TYPES", frozenset())
@@ -322,7 +322,7 @@ def test_boft_times_its_rotation(monkeypatch):
     st = Strategy(method="peft", peft_config=boft, precision="bf16", micro_batch_size=4, seq_len=210)
     work_ = peft_method.METHOD.extra_layer_work(model, st, frozenset())
     assert work_["weight_gemms"] == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
-    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, False),) * 2
+    assert work_["delta_linears"] == ((3072.0, 3072.0, 1.0, False, True),) * 2
     with_rotation = estimate(model, hw, st).time["matmul_seconds"]
     monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: {})
     work._PER_MODEL.clear()
@@ -332,3 +332,31 @@ def test_boft_times_its_rotation(monkeypatch):
     fwd, bwd = linear_seconds(4 * 210, 3072, 3072, g, True, 2.0, False)
     per_linear = 6 * gemm_seconds(3072, 3072, 3072, g, 2.0) + fwd + bwd
     assert with_rotation - without == pytest.approx(28 * 2 * per_linear, rel=1e-9)
+
+
+def test_randlora_times_its_full_rank_bases(monkeypatch):
+    """RandLoRA (peft/tuners/randlora/layer.py forward:327-344, get_scaled_bases:262-308) adds
+    F.linear(F.linear(x, first), second) of rank r x ceil(min(in, out) / r) in fp32, its random bases frozen
+    and only the one on the smaller side scaled by the trained lambda / gamma. r = 32 on q_proj (3072 -> 3072:
+    rank 3072, the first basis trains) and v_proj (3072 -> 1024: rank 1024, the second trains)."""
+    pytest.importorskip("peft")
+    import memfit.methods.peft as peft_method
+    from memfit.estimate import DEFAULT_PROFILE
+    from memfit.steptime import work
+    from memfit.steptime.gemm import linear_seconds
+    from memfit.steptime.speeds import speeds_for
+
+    model, hw = resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
+    cfg = {"peft_type": "RANDLORA", "r": 32, "target_modules": ["q_proj", "v_proj"]}
+    st = Strategy(method="peft", peft_config=cfg, precision="bf16", micro_batch_size=4, seq_len=210)
+    linears = peft_method.METHOD.extra_layer_work(model, st, frozenset())["delta_linears"]
+    assert sorted(linears) == sorted([(3072.0, 3072.0, 1.0, True, True), (3072.0, 3072.0, 1.0, True, False),
+                                      (3072.0, 1024.0, 1.0, True, False), (1024.0, 1024.0, 1.0, True, True)])
+    with_bases = estimate(model, hw, st).time["matmul_seconds"]
+    monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: {})
+    work._PER_MODEL.clear()
+    without = estimate(model, hw, st).time["matmul_seconds"]
+    work._PER_MODEL.clear()
+    g = speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
+    extra = sum(28 * sum(linear_seconds(4 * 210, k, n, g, trains, 4.0, True)) for k, n, _, _, trains in linears)
+    assert with_bases - without == pytest.approx(extra, rel=1e-9)

@@ -96,8 +96,8 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
         fr = 6.0 * T * router  # MEFT's router (h x experts per layer), trained like any parameter
         adapter, adapter_s = adapter + fm + fr, adapter_s + fm / sp.gemm(model.hidden, meft_rows) + fr / sp.gemm_skinny
     linears, weight_gemms = method_gemms(model, st, adapted)
-    for k, n, per_layer, _ in linears:  # e.g. PEFT's LoHa: F.linear(x, delta_w); BOFT's x @ rotation
-        fd = 2.0 * T * k * n * per_layer * L * (3.0 + (1.0 if gc else 0.0))
+    for k, n, per_layer, _, trains in linears:  # e.g. PEFT's LoHa: F.linear(x, delta_w); BOFT's x @ rotation
+        fd = 2.0 * T * k * n * per_layer * L * ((3.0 if trains else 2.0) + (1.0 if gc else 0.0))
         adapter, adapter_s = adapter + fd, adapter_s + fd / sp.gemm(k, n)
     for m_, n, k, fwd_n, bwd_n, per_layer in weight_gemms:  # e.g. BOFT's rotation, built every forward
         fw = 2.0 * m_ * n * k * L * per_layer * (fwd_n * (2.0 if gc else 1.0) + bwd_n)

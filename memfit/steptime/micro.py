@@ -100,11 +100,11 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         adapter_s += 2.0 * L * (mf + mb)
         adapter += 12.0 * T * h * meft_rows * L + 6.0 * T * router
     linears, weight_gemms = method_gemms(model, st, adapted)
-    for k, n, per_layer, adapter_dtype in linears:  # e.g. LoHa's F.linear(x, delta_w), BOFT's x @ rotation
+    for k, n, per_layer, adapter_dtype, trains in linears:  # e.g. LoHa's F.linear(x, delta_w), BOFT's x @ R
         f32 = fp32_adapter and adapter_dtype
-        df, db = linear_seconds(T, k, n, g, True, 4.0 if f32 else e, f32)
+        df, db = linear_seconds(T, k, n, g, trains, 4.0 if f32 else e, f32)
         adapter_s += L * per_layer * (df * (2.0 if gc else 1.0) + db)
-        adapter += 2.0 * T * k * n * per_layer * L * (3.0 + (1.0 if gc else 0.0))
+        adapter += 2.0 * T * k * n * per_layer * L * ((3.0 if trains else 2.0) + (1.0 if gc else 0.0))
     for m_, n, k, fwd_n, bwd_n, per_layer in weight_gemms:  # e.g. BOFT's rotation, built every forward
         count = fwd_n * (2.0 if gc else 1.0) + bwd_n
         adapter_s += L * per_layer * count * gemm_seconds(m_, n, k, g, e)

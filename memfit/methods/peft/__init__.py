@@ -5,13 +5,14 @@ only then, the count cached); the bytes each wrapped module saves for backward f
 layer code (:mod:`~memfit.methods.peft.saved`, each rule cited). Trained like the other adapters: fp32
 adapter parameters (PEFT's ``autocast_adapter_dtype``) with their gradients and optimizer state, the base
 frozen at 16 bits. The time model prices the base model's work, prompt learning's virtual tokens and the
-delta-weight methods' second linear and BOFT's rotation (:meth:`Peft.extra_layer_work`); other adapters' own
-kernels are not timed.
+delta-weight methods' second linear, BOFT's rotation and RandLoRA's bases (:meth:`Peft.extra_layer_work`);
+other adapters' own kernels are not timed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from memfit.errors import ConfigError
@@ -53,20 +54,35 @@ class Peft(Method):
           the butterfly blocks with ``bmm(block_diag, P.T)``, ``bmm(P, .)`` for each of the N butterfly
           factors, N - 1 chained products and ``@ eye`` (3N GEMMs of in x in x in, in the input's dtype; in
           backward 4N - 1, every product with a trained operand), then ``x @ boft_rotation`` (a linear of
-          in x in whose weight trains): ``weight_gemms`` (m, n, k, forward, backward, instances per layer)."""
+          in x in whose weight trains): ``weight_gemms`` (m, n, k, forward, backward, instances per layer);
+        - RandLoRA (randlora/layer.py ``forward``:327-344, ``get_scaled_bases``:262-308) adds
+          ``F.linear(F.linear(x, first), second)`` of full rank R = r x ceil(min(in, out) / r) in the adapter
+          dtype, its shared random bases frozen and only the basis on the smaller side scaled by the trained
+          lambda / gamma: two more ``delta_linears``, one of them with a weight gradient.
+
+        ``delta_linears`` entries: (in, out, instances per layer, in the adapter dtype, weight trains)."""
         c = adapter_count(model, strategy)
         wrapped = c["wrapped"]
         per_layer = [(float(w["in"]), float(w["out"]), w["count"] / model.layers) for w in wrapped
                      if w["type"] in DELTA_LINEAR_TYPES]
         out: dict = {}
         if per_layer:
-            out["delta_linears"] = tuple((k, n, share, True) for k, n, share in per_layer)
+            out["delta_linears"] = tuple((k, n, share, True, True) for k, n, share in per_layer)
             out["weight_bytes"] = sum(12.0 * k * n * share for k, n, share in per_layer)
         boft = [(float(w["in"]), w["count"] / model.layers) for w in wrapped if w["type"] == "boft.Linear"]
         if boft:
             factors = int(c["config"].get("boft_n_butterfly_factor") or 1)
-            out["delta_linears"] = out.get("delta_linears", ()) + tuple((k, k, share, False) for k, share in boft)
+            out["delta_linears"] = out.get("delta_linears", ()) + tuple((k, k, share, False, True) for k, share in boft)
             out["weight_gemms"] = tuple((k, k, k, 3.0 * factors, 4.0 * factors - 1.0, share) for k, share in boft)
+        rand = [w for w in wrapped if w["type"] == "randlora.Linear"]
+        if rand:
+            r = int(c["config"]["r"])
+            pairs = []
+            for w in rand:
+                k, n, share = float(w["in"]), float(w["out"]), w["count"] / model.layers
+                rank = float(r * math.ceil(min(k, n) / r))
+                pairs += [(k, rank, share, True, k <= n), (rank, n, share, True, k > n)]  # the scaled basis trains
+            out["delta_linears"] = out.get("delta_linears", ()) + tuple(pairs)
         return out
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
