@@ -360,3 +360,18 @@ def test_randlora_times_its_full_rank_bases(monkeypatch):
     g = speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
     extra = sum(28 * sum(linear_seconds(4 * 210, k, n, g, trains, 4.0, True)) for k, n, _, _, trains in linears)
     assert with_bases - without == pytest.approx(extra, rel=1e-9)
+
+
+def test_osf_times_its_rank_2r_update():
+    """OSF (peft/tuners/osf/layer.py forward:316-350) adds F.linear(F.linear(x, B), A), A and B the trained
+    low-rank factors concatenated with their frozen initial copies: rank 2r. The MetaMathQA config keeps
+    2944 of q_proj's 3072 directions (896 of k_proj's 1024) frozen, so r = 128 and each wrapped linear gets two
+    fp32 linears of rank 256 whose weights train."""
+    pytest.importorskip("peft")
+    import memfit.methods.peft as peft_method
+
+    cfg = {"peft_type": "OSF", "target_modules": ["q_proj", "k_proj"], "rank_pattern": {"q_proj": 2944, "k_proj": 896}}
+    st = Strategy(method="peft", peft_config=cfg, precision="bf16", micro_batch_size=4, seq_len=210)
+    linears = peft_method.METHOD.extra_layer_work(resolve_model("llama-3.2-3b"), st, frozenset())["delta_linears"]
+    shapes = sorted((round(k), round(n)) for k, n, share, f32, trains in linears if share == 1.0 and f32 and trains)
+    assert len(linears) == 4 and shapes == sorted([(3072, 256), (256, 3072), (3072, 256), (256, 1024)])

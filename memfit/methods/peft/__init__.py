@@ -5,8 +5,8 @@ only then, the count cached); the bytes each wrapped module saves for backward f
 layer code (:mod:`~memfit.methods.peft.saved`, each rule cited). Trained like the other adapters: fp32
 adapter parameters (PEFT's ``autocast_adapter_dtype``) with their gradients and optimizer state, the base
 frozen at 16 bits. The time model prices the base model's work, prompt learning's virtual tokens and the
-delta-weight methods' second linear, BOFT's rotation and RandLoRA's bases (:meth:`Peft.extra_layer_work`);
-other adapters' own kernels are not timed.
+delta-weight methods' second linear, BOFT's rotation, RandLoRA's and OSF's extra linears
+(:meth:`Peft.extra_layer_work`); other adapters' own kernels are not timed.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ class Peft(Method):
         - RandLoRA (randlora/layer.py ``forward``:327-344, ``get_scaled_bases``:262-308) adds
           ``F.linear(F.linear(x, first), second)`` of full rank R = r x ceil(min(in, out) / r) in the adapter
           dtype, its shared random bases frozen and only the basis on the smaller side scaled by the trained
-          lambda / gamma: two more ``delta_linears``, one of them with a weight gradient.
+          lambda / gamma: two more ``delta_linears``, one of them with a weight gradient;
+        - OSF (osf/layer.py ``forward``:316-350) adds ``F.linear(F.linear(x, B), A)`` with A, B the trained
+          low-rank factors concatenated with their frozen initial copies: rank 2r (r = the trained rank), in
+          the adapter dtype, both weights carrying gradients.
 
         ``delta_linears`` entries: (in, out, instances per layer, in the adapter dtype, weight trains)."""
         c = adapter_count(model, strategy)
@@ -83,6 +86,12 @@ class Peft(Method):
                 rank = float(r * math.ceil(min(k, n) / r))
                 pairs += [(k, rank, share, True, k <= n), (rank, n, share, True, k > n)]  # the scaled basis trains
             out["delta_linears"] = out.get("delta_linears", ()) + tuple(pairs)
+        osf = [w for w in wrapped if w["type"] == "osf.Linear"]
+        if osf:  # 2r from the trained count, as saved._osf reads it
+            out["delta_linears"] = out.get("delta_linears", ()) + tuple(
+                d for w in osf for two_r in (2.0 * w["params"] / max(1, w["count"]) / max(1, w["in"] + w["out"]),)
+                for d in ((float(w["in"]), two_r, w["count"] / model.layers, True, True),
+                          (two_r, float(w["out"]), w["count"] / model.layers, True, True)))
         return out
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
