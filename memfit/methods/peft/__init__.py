@@ -12,13 +12,13 @@ delta-weight methods' second linear, BOFT's rotation, RandLoRA's and OSF's extra
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from memfit.errors import ConfigError
 from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
 from memfit.methods.peft.count import counted, peft_config_object
-from memfit.methods.peft.saved import DELTA_LINEAR_TYPES, adaption_prompt_bytes, saved_bytes
+from memfit.methods.peft.saved import adaption_prompt_bytes, saved_bytes
+from memfit.methods.peft.work import layer_work
 
 
 def adapter_count(model: Any, strategy: Any) -> dict:
@@ -42,57 +42,9 @@ class Peft(Method):
         return Parameters(float(c["trainable"]), (float(model.parameters) + c["frozen_added"]) * half)
 
     def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict:
-        """The PEFT layer's own GEMMs per decoder layer, for the time model, read from its ``forward`` (peft
-        0.21.2):
-
-        - the delta-weight methods (LoHa, LoKr, FourierFT, HiRA, WaveFT, PEANuT: saved.DELTA_LINEAR_TYPES)
-          apply a weight-sized delta with a second ``F.linear(x, delta_w)`` beside the base layer, in the
-          adapter dtype: ``delta_linears`` (in, out, instances per layer, True); the delta itself is written
-          in the forward and its gradient written and read back into the factors' in the backward: 3 x 4 B per
-          weight value (fp32 adapters);
-        - BOFT (boft/layer.py ``Linear.forward``:594-650) rotates the input: it builds an in x in rotation from
-          the butterfly blocks with ``bmm(block_diag, P.T)``, ``bmm(P, .)`` for each of the N butterfly
-          factors, N - 1 chained products and ``@ eye`` (3N GEMMs of in x in x in, in the input's dtype; in
-          backward 4N - 1, every product with a trained operand), then ``x @ boft_rotation`` (a linear of
-          in x in whose weight trains): ``weight_gemms`` (m, n, k, forward, backward, instances per layer);
-        - RandLoRA (randlora/layer.py ``forward``:327-344, ``get_scaled_bases``:262-308) adds
-          ``F.linear(F.linear(x, first), second)`` of full rank R = r x ceil(min(in, out) / r) in the adapter
-          dtype, its shared random bases frozen and only the basis on the smaller side scaled by the trained
-          lambda / gamma: two more ``delta_linears``, one of them with a weight gradient;
-        - OSF (osf/layer.py ``forward``:316-350) adds ``F.linear(F.linear(x, B), A)`` with A, B the trained
-          low-rank factors concatenated with their frozen initial copies: rank 2r (r = the trained rank), in
-          the adapter dtype, both weights carrying gradients.
-
-        ``delta_linears`` entries: (in, out, instances per layer, in the adapter dtype, weight trains)."""
-        c = adapter_count(model, strategy)
-        wrapped = c["wrapped"]
-        per_layer = [(float(w["in"]), float(w["out"]), w["count"] / model.layers) for w in wrapped
-                     if w["type"] in DELTA_LINEAR_TYPES]
-        out: dict = {}
-        if per_layer:
-            out["delta_linears"] = tuple((k, n, share, True, True) for k, n, share in per_layer)
-            out["weight_bytes"] = sum(12.0 * k * n * share for k, n, share in per_layer)
-        boft = [(float(w["in"]), w["count"] / model.layers) for w in wrapped if w["type"] == "boft.Linear"]
-        if boft:
-            factors = int(c["config"].get("boft_n_butterfly_factor") or 1)
-            out["delta_linears"] = out.get("delta_linears", ()) + tuple((k, k, share, False, True) for k, share in boft)
-            out["weight_gemms"] = tuple((k, k, k, 3.0 * factors, 4.0 * factors - 1.0, share) for k, share in boft)
-        rand = [w for w in wrapped if w["type"] == "randlora.Linear"]
-        if rand:
-            r = int(c["config"]["r"])
-            pairs = []
-            for w in rand:
-                k, n, share = float(w["in"]), float(w["out"]), w["count"] / model.layers
-                rank = float(r * math.ceil(min(k, n) / r))
-                pairs += [(k, rank, share, True, k <= n), (rank, n, share, True, k > n)]  # the scaled basis trains
-            out["delta_linears"] = out.get("delta_linears", ()) + tuple(pairs)
-        osf = [w for w in wrapped if w["type"] == "osf.Linear"]
-        if osf:  # 2r from the trained count, as saved._osf reads it
-            out["delta_linears"] = out.get("delta_linears", ()) + tuple(
-                d for w in osf for two_r in (2.0 * w["params"] / max(1, w["count"]) / max(1, w["in"] + w["out"]),)
-                for d in ((float(w["in"]), two_r, w["count"] / model.layers, True, True),
-                          (two_r, float(w["out"]), w["count"] / model.layers, True, True)))
-        return out
+        """The PEFT layer's own GEMMs per decoder layer, for the time model (rules per layer type, read from
+        PEFT's code: :mod:`~memfit.methods.peft.work`)."""
+        return layer_work(adapter_count(model, strategy), model.layers)
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
         """Virtual tokens prompt tuning / P-tuning put before every sequence (peft_model.py's

@@ -1,0 +1,82 @@
+"""The GEMMs each PEFT layer type runs beyond its base layer, per wrapped module, for the time model — read
+from the layer's ``forward`` at the pinned peft==0.21.2 (``peft/tuners/<method>/layer.py``, line numbers of that
+version), as :mod:`~memfit.methods.peft.saved` reads what they keep. A type without a rule adds no GEMM of its
+own here (its host and elementwise work is not timed).
+
+Each rule gives, for one wrapped module ``w`` (``in``/``out`` features, ``count`` instances, ``params``
+trained; ``cfg`` PEFT's config with its defaults filled in):
+
+- ``linears``: ((in, out, in the adapter dtype, weight trains), ...): products with every token, priced as a
+  linear (forward, input gradient, and the weight gradient when it trains);
+- ``weight_gemms``: ((m, n, k, forward count, backward count), ...): products of weight-sized matrices,
+  whatever the tokens;
+- ``weight_bytes``: memory-bound bytes per forward whatever the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from memfit.methods.peft.saved import DELTA_LINEAR_TYPES
+
+
+def _delta(w: dict, cfg: dict) -> dict:
+    # the delta-weight methods (saved.DELTA_LINEAR_TYPES, line numbers there): a weight-sized delta applied by a
+    # second F.linear(x, delta_w) beside the base layer, in the adapter dtype; the delta is written in the
+    # forward, its gradient written and read back into the factors' in the backward: 3 x 4 B per value
+    k, n = float(w["in"]), float(w["out"])
+    return {"linears": ((k, n, True, True),), "weight_bytes": 12.0 * k * n}
+
+
+def _boft(w: dict, cfg: dict) -> dict:
+    # boft/layer.py Linear.forward:594-650: an in x in rotation built from the butterfly blocks each forward:
+    # bmm(block_diag, P.T) and bmm(P, .) per butterfly factor, N - 1 chained products, @ eye (3N GEMMs in the
+    # input's dtype; 4N - 1 in backward, every product with a trained operand), then x @ rotation
+    k, factors = float(w["in"]), int(cfg.get("boft_n_butterfly_factor") or 1)
+    return {"linears": ((k, k, False, True),), "weight_gemms": ((k, k, k, 3.0 * factors, 4.0 * factors - 1.0),)}
+
+
+def _randlora(w: dict, cfg: dict) -> dict:
+    # randlora/layer.py forward:327-344, get_scaled_bases:262-308: F.linear(F.linear(x, first), second) of full
+    # rank r x ceil(min(in, out) / r) in the adapter dtype; the shared random bases are frozen and only the one on
+    # the smaller side is scaled by the trained lambda / gamma (its weight gradient)
+    k, n, r = float(w["in"]), float(w["out"]), int(cfg["r"])
+    rank = float(r * math.ceil(min(k, n) / r))
+    return {"linears": ((k, rank, True, k <= n), (rank, n, True, k > n))}
+
+
+def _osf(w: dict, cfg: dict) -> dict:
+    # osf/layer.py forward:316-350: F.linear(F.linear(x, B), A), A and B the trained factors concatenated with
+    # their frozen initial copies: rank 2r (2r from the trained count, as saved._osf reads it), adapter dtype
+    k, n = float(w["in"]), float(w["out"])
+    two_r = 2.0 * w["params"] / max(1, w["count"]) / max(1.0, k + n)
+    return {"linears": ((k, two_r, True, True), (two_r, n, True, True))}
+
+
+RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "boft.Linear": _boft,
+                              "randlora.Linear": _randlora, "osf.Linear": _osf}
+
+
+def layer_work(count: dict, layers: int) -> dict:
+    """``Method.extra_layer_work`` for method=peft: per decoder layer, ``delta_linears`` (in, out, instances,
+    in the adapter dtype, weight trains), ``weight_gemms`` (m, n, k, forward, backward, instances) and
+    ``weight_bytes``, from PEFT's count of the wrapped modules (memfit.methods.peft.count)."""
+    linears, gemms, nbytes = [], [], 0.0
+    for w in count["wrapped"]:
+        rule = RULES.get(w["type"])
+        if rule is None:
+            continue
+        share = w["count"] / layers  # instances per decoder layer
+        got = rule(w, count["config"])
+        linears += [(k, n, share, adapter_dtype, trains) for k, n, adapter_dtype, trains in got.get("linears", ())]
+        gemms += [(*g, share) for g in got.get("weight_gemms", ())]
+        nbytes += got.get("weight_bytes", 0.0) * share
+    out: dict = {}
+    if linears:
+        out["delta_linears"] = tuple(linears)
+    if gemms:
+        out["weight_gemms"] = tuple(gemms)
+    if nbytes:
+        out["weight_bytes"] = nbytes
+    return out
