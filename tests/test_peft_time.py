@@ -1,0 +1,125 @@
+"""method=peft's step time: the PEFT layer's own work, each rule by hand against PEFT's forward (peft 0.21.2),
+on Llama-3.2-3B on one L40S (PEFT's MetaMathQA setting, pure bf16: fp32 adapters, no autocast)."""
+
+import pytest
+
+from memfit.estimate import DEFAULT_PROFILE, estimate
+from memfit.spec.hardware import parse_hardware
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import Strategy
+
+pytest.importorskip("peft")
+T = 4 * 210  # tokens of the micro-batch
+
+
+@pytest.fixture
+def setting():
+    return resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB")
+
+
+def _strategy(cfg: dict, seq_len: int = 210) -> Strategy:
+    return Strategy(method="peft", peft_config=cfg, precision="bf16", micro_batch_size=4, seq_len=seq_len)
+
+
+def _rates(hw):
+    from memfit.steptime.speeds import speeds_for
+
+    return speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
+
+
+def _layer_work_and_matmul_added(monkeypatch, setting, cfg: dict) -> tuple[dict, float]:
+    """(the method's extra_layer_work, the matmul seconds it adds to the step)."""
+    import memfit.methods.peft as peft_method
+    from memfit.steptime import work
+
+    model, hw = setting
+    st = _strategy(cfg)
+    layer_work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
+    work._PER_MODEL.clear()
+    with_work = estimate(model, hw, st).time["matmul_seconds"]
+    monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: {})
+    work._PER_MODEL.clear()
+    without = estimate(model, hw, st).time["matmul_seconds"]
+    work._PER_MODEL.clear()
+    return layer_work, with_work - without
+
+
+def test_prompt_tuning_time_processes_the_virtual_tokens(setting):
+    """PEFT's prompt tuning concatenates num_virtual_tokens embeddings in front of every sequence
+    (peft_model.py PeftModelForCausalLM.forward): the step's kernels see seq_len + those, the tokens counted
+    are seq_len. 200 virtual tokens at 568 take the compute of 1 at 767 (both 768 positions); tokens/s
+    then differ by 568 / 767 (less the optimizer's few microseconds for 199 more trained embeddings)."""
+    model, hw = setting
+
+    def timed(virtual: int, seq: int) -> dict:
+        pt = {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": virtual, "task_type": "CAUSAL_LM"}
+        return estimate(model, hw, _strategy(pt, seq)).time
+
+    long_prompt, short_prompt = timed(200, 568), timed(1, 767)
+    assert long_prompt["compute_seconds"] == pytest.approx(short_prompt["compute_seconds"], rel=1e-12)
+    assert long_prompt["tokens_per_second"] / short_prompt["tokens_per_second"] == pytest.approx(568 / 767, rel=1e-3)
+
+
+def test_delta_weight_methods_time_their_second_linear(monkeypatch, setting):
+    """LoHa applies its delta weight with a second F.linear(x, delta_w) beside the base layer
+    (peft/tuners/loha/layer.py:266-272), in fp32 (the input cast to the adapters): per layer one GEMM of
+    q_proj's shape and one of v_proj's each forward and two each backward, priced as the base linears are
+    (memfit.steptime.gemm) at the GPU's plain fp32 rate; and the delta weight, written in the forward, its
+    gradient written and read back: 12 B per weight value."""
+    from memfit.steptime.gemm import linear_seconds
+
+    loha = {"peft_type": "LOHA", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, loha)
+    assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, True, True), (3072.0, 1024.0, 1.0, True, True))
+    assert layer_work["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
+    g = _rates(setting[1])
+    extra = sum(28 * sum(linear_seconds(T, k, n, g, True, 4.0, True)) for k, n in ((3072, 3072), (3072, 1024)))
+    assert added == pytest.approx(extra, rel=1e-9)
+    assert extra > 0.02  # fp32 GEMMs of 840 tokens: tens of milliseconds per step, not a rounding error
+
+
+def test_boft_times_its_rotation(monkeypatch, setting):
+    """BOFT (peft/tuners/boft/layer.py Linear.forward:594-650, one butterfly factor) builds an in x in rotation
+    each forward — bmm(block_diag, P.T), bmm(P, .), @ eye: three in x in x in GEMMs in the input's dtype, and
+    three in backward (each product with a trained operand) — then x @ rotation, a linear of in x in whose
+    weight trains. q_proj and v_proj of Llama-3.2-3B both take in = 3072."""
+    from memfit.steptime.gemm import gemm_seconds, linear_seconds
+
+    boft = {"peft_type": "BOFT", "boft_block_size": 4, "boft_n_butterfly_factor": 1,
+            "target_modules": ["q_proj", "v_proj"]}
+    layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, boft)
+    assert layer_work["weight_gemms"] == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
+    assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, False, True),) * 2
+    g = _rates(setting[1])
+    per_linear = 6 * gemm_seconds(3072, 3072, 3072, g, 2.0) + sum(linear_seconds(T, 3072, 3072, g, True, 2.0))
+    assert added == pytest.approx(28 * 2 * per_linear, rel=1e-9)
+
+
+def test_randlora_times_its_full_rank_bases(monkeypatch, setting):
+    """RandLoRA (peft/tuners/randlora/layer.py forward:327-344, get_scaled_bases:262-308) adds
+    F.linear(F.linear(x, first), second) of rank r x ceil(min(in, out) / r) in fp32, its random bases frozen
+    and only the one on the smaller side scaled by the trained lambda / gamma. r = 32 on q_proj (3072 -> 3072:
+    rank 3072, the first basis trains) and v_proj (3072 -> 1024: rank 1024, the second trains)."""
+    from memfit.steptime.gemm import linear_seconds
+
+    cfg = {"peft_type": "RANDLORA", "r": 32, "target_modules": ["q_proj", "v_proj"]}
+    layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, cfg)
+    linears = layer_work["delta_linears"]
+    assert sorted(linears) == sorted([(3072.0, 3072.0, 1.0, True, True), (3072.0, 3072.0, 1.0, True, False),
+                                      (3072.0, 1024.0, 1.0, True, False), (1024.0, 1024.0, 1.0, True, True)])
+    g = _rates(setting[1])
+    extra = sum(28 * sum(linear_seconds(T, k, n, g, trains, 4.0, True)) for k, n, _, _, trains in linears)
+    assert added == pytest.approx(extra, rel=1e-9)
+
+
+def test_osf_times_its_rank_2r_update(setting):
+    """OSF (peft/tuners/osf/layer.py forward:316-350) adds F.linear(F.linear(x, B), A), A and B the trained
+    low-rank factors concatenated with their frozen initial copies: rank 2r. The MetaMathQA config keeps
+    2944 of q_proj's 3072 directions (896 of k_proj's 1024) frozen, so r = 128 and each wrapped linear gets two
+    fp32 linears of rank 256 whose weights train."""
+    import memfit.methods.peft as peft_method
+
+    cfg = {"peft_type": "OSF", "target_modules": ["q_proj", "k_proj"], "rank_pattern": {"q_proj": 2944, "k_proj": 896}}
+    linears = peft_method.METHOD.extra_layer_work(setting[0], _strategy(cfg), frozenset())["delta_linears"]
+    shapes = sorted((round(k), round(n)) for k, n, share, f32, trains in linears if share == 1.0 and f32 and trains)
+    assert len(linears) == 4 and shapes == sorted([(3072, 256), (256, 3072), (3072, 256), (256, 1024)])
