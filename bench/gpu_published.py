@@ -104,8 +104,8 @@ def _fit_cases(cases: list[Case]) -> list[Case]:
     return [c for c in cases if c.measured is not None and c.metric != "allocated" and c.strategy.method != "peft"]
 
 
-def peft_type(case: Case) -> str | None:
-    """'IA3', 'LOHA', ... for a method=peft case, else None."""
+def peft_type(case) -> str | None:
+    """'IA3', 'LOHA', ... for a method=peft case (memory or time: anything with a ``strategy``), else None."""
     return json.loads(case.strategy.peft_config)["peft_type"] if case.strategy.method == "peft" else None
 
 

@@ -87,10 +87,6 @@ def named(cases: list[TimeCase]) -> list[TimeCase]:
     return [c for c in cases if c.strategy.method != "peft"]
 
 
-def peft_type(c: TimeCase) -> str | None:
-    return json.loads(c.strategy.peft_config)["peft_type"] if c.strategy.method == "peft" else None
-
-
 def _loss(cases: list[TimeCase], profile) -> float:
     groups: dict[str, list[float]] = {}
     for c in cases:
@@ -172,7 +168,7 @@ def peft_methods(cases: list[TimeCase], preds: list[float]) -> dict:
     out: dict[str, list[float]] = {}
     for c, p in zip(cases, preds):
         if c.strategy.method == "peft":
-            out.setdefault(peft_type(c), []).append(100.0 * (p / c.published_tps_per_gpu - 1.0))
+            out.setdefault(gtp.gp.peft_type(c), []).append(100.0 * (p / c.published_tps_per_gpu - 1.0))
     return {k: {"rows": len(v), "min_pct": round(min(v), 1), "max_pct": round(max(v), 1),
                 "median_abs_pct": round(statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
 

@@ -63,11 +63,11 @@ def test_peft_rows_are_scored_never_fitted():
     pytest.importorskip("peft")
     cases = F.judged(F.all_rows())
     peft = [c for c in cases if c.strategy.method == "peft"]
-    assert len(peft) >= 100 and {F.peft_type(c) for c in peft} >= {"IA3", "PROMPT_TUNING", "BOFT", "VERA"}
+    assert len(peft) >= 100 and {F.gtp.gp.peft_type(c) for c in peft} >= {"IA3", "PROMPT_TUNING", "BOFT", "VERA"}
     assert F.fit(cases) == F.fit(F.named(cases))
     acc = F.accuracy(cases)
     assert acc["rows"] == len(F.named(cases)) and acc["kinds"]["peft, 1 GPU"]["rows"] == len(peft)
-    assert set(acc["peft_methods"]) == {F.peft_type(c) for c in peft}
+    assert set(acc["peft_methods"]) == {F.gtp.gp.peft_type(c) for c in peft}
 
 
 def test_a_peft_method_estimate_carries_its_own_time_error_bar():

@@ -21,8 +21,8 @@ from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import gemm_seconds, linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
-from memfit.steptime.work import (adapted_width, method_gemms, elementwise_cached, kbit_cast_bytes, linear_area,
-                                  lora_elementwise_bytes, method_work, per_model)
+from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
+                                  lora_elementwise_bytes, method_gemms, method_work, per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
 

@@ -97,12 +97,19 @@ def adapted_width(model: ModelSpec, adapted: frozenset) -> float:
         sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)))
 
 
+def extra_work(model: ModelSpec, st, adapted: frozenset) -> dict:
+    """``Method.extra_layer_work`` of the run's method, called once per model, method and adapted set."""
+    return per_model(("extra-work", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
+                     lambda: METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS
+                     else {})
+
+
 def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[float, float, float, float]:
     """The method's own work per layer and micro-batch beyond its family's (``Method.extra_layer_work``, e.g.
     DoRA's weight norm), for both time models: (bytes moved once per forward — twice under checkpointing —,
     bytes per token, host ops in forward + backward units, the size of one weight-sized transfer)."""
     def compute():
-        w = METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS else {}
+        w = extra_work(model, st, adapted)
         if not w:
             return 0.0, 0.0, 0.0, 0.0
         fwd = 2.0 if gc else 1.0
@@ -122,7 +129,7 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
     dtype, weight trains) —, ``weight_gemms``: products of weight-sized matrices whatever the tokens, e.g. BOFT's rotation —
     (m, n, k, forward, backward, instances))."""
     def compute():
-        w = METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS else {}
+        w = extra_work(model, st, adapted)
         return tuple(w.get("delta_linears", ())), tuple(w.get("weight_gemms", ()))
     return per_model(("method-gemms", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
                      compute)
