@@ -260,7 +260,7 @@ def _job_row(j: Job) -> dict:
 
 def custom_setup(args) -> tuple:
     """The setup and methods after the flags that narrow the bench for ablations (--methods, --lrs,
-    --steps, --seeds, --model-size); unchanged without them."""
+    --steps, --seeds, --model-size, --new-entities); unchanged without them."""
     setup = QUICK if args.quick else FULL
     if args.steps:
         setup = replace(setup, steps=args.steps)
@@ -269,6 +269,8 @@ def custom_setup(args) -> tuple:
     if args.model_size:  # HIDDENxLAYERS; FFN 2.75 x hidden as in the default (64 -> 176)
         hidden, layers = (int(x) for x in args.model_size.lower().split("x"))
         setup = replace(setup, model=ModelSize(hidden=hidden, intermediate=int(2.75 * hidden), layers=layers))
+    if args.new_entities:  # more facts to store (4 per entity); the pre-training stays the same
+        setup = replace(setup, task=replace(setup.task, new_entities=args.new_entities))
     methods = METHODS
     if args.quick and not args.methods:
         methods = tuple(replace(m, lrs=(QUICK_LR,)) for m in METHODS if m.name in QUICK_METHODS)
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="fine-tuning steps (default 600; --quick 300)")
     ap.add_argument("--seeds", help="comma-separated seeds (the first one picks the learning rate)")
     ap.add_argument("--model-size", help="HIDDENxLAYERS of the base model (default 64x2)")
+    ap.add_argument("--new-entities", type=int, help="entities whose facts are stored, 4 facts each (default 32)")
     args = ap.parse_args(argv)
     if args.replot:
         from meft_knowledge_report import plot, shape_check, table

@@ -100,6 +100,11 @@ def plot(rows: list[dict], path: str, baseline: float | None = None, steps: int 
     return path
 
 
+# MEFT configurations below the paper's working sparsity (top-k < 3 % of K), run to show that it hurts
+# knowledge; the control line judges the working ones and prints these beside them
+TOO_SPARSE = ("meft-k4",)
+
+
 def shape_check(rows: list[dict]) -> list[str]:
     """The paper's shape (issue 24's checklist), one PASS/FAIL line each, from the table's rows; a check whose
     methods did not run is left out. "More than the spread": the margin exceeds both rows' half-ranges."""
@@ -136,11 +141,15 @@ def shape_check(rows: list[dict]) -> list[str]:
                        f"one expert works (>= 80 % of 16 experts' recall): {pct('meft-k12-e1')} vs "
                        f"{pct('meft-k12')}"))
     meft = [r for r in rows if r["method"].startswith("meft")]
-    if meft and "pa-dense" in by:
-        low = min(r["control"] for r in meft)
-        checks.append((low >= by["pa-dense"]["control"] - 0.03,
-                       f"control shows no loss from sparsity: MEFT's lowest {100 * low:.1f} % vs the dense PA's "
-                       f"{100 * by['pa-dense']['control']:.1f} % (within 3 points)"))
+    working = [r for r in meft if r["method"] not in TOO_SPARSE]  # the paper's sparsity, not the ablation's
+    if working and "pa-dense" in by:
+        low = min(working, key=lambda r: r["control"])
+        sparse = "".join(f"; {r['method']} (below 3 %, the knowledge ablation) {100 * r['control']:.1f} %"
+                         for r in meft if r["method"] in TOO_SPARSE)
+        checks.append((low["control"] >= by["pa-dense"]["control"] - 0.03,
+                       f"control shows no loss from sparsity: MEFT's lowest at top-k >= 3 % of K "
+                       f"({low['method']}) {100 * low['control']:.1f} % vs the dense PA's "
+                       f"{100 * by['pa-dense']['control']:.1f} % (within 3 points){sparse}"))
     if meft:
         worst = max(abs(r["device_pred"] / r["device_meas"] - 1) for r in meft)
         checks.append((worst <= 0.05, f"estimator vs measured device bytes within 5 % for every MEFT "
