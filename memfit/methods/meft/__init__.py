@@ -45,7 +45,7 @@ class Meft(Method):
                 f"activated rows travel ({e.gpu.get('meft_buffers', 0.0) / 1e9:.2f} GB of buffers on the GPU): its "
                 "case is knowledge-heavy data (the paper: NQ, SQuAD, ToolBench); memfit's miniature matched a dense "
                 "adapter of the same size at 28% of its GPU bytes (32 of 256 neurons active per token, buffered) but "
-                "did not recall more than LoRA at equal GPU bytes (docs/meft.md).")
+                "recalled less than a LoRA of equal GPU bytes, also with 4x the facts (docs/meft.md).")
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
         s = strategy
