@@ -11,6 +11,9 @@ BACKWARD_PRE; FSDP2: ``fully_shard`` on every decoder layer, the untied embeddin
 ``reshard_after_forward=False``) and the root (accelerate/utils/fsdp_utils.py fsdp2_prepare_model). Each rank
 measures its allocator peak over one step after a warm-up step (memfit's TensorMemoryProbe) against
 ``memory.gpu_allocated_bytes`` for the same strategy on the ``2xCPU`` pool. ~30 s per case on 2 cores.
+Opt-in cases: ``+gc`` (memfit's checkpoint), ``+gcl`` (transformers < 4.52's: reentrant, put around each FSDP1
+unit; strategy.hf_legacy_checkpoint). ``MEMFIT_PEAK_LAYERS`` / ``MEMFIT_PEAK_VOCAB`` change the tiny model's
+layers / vocabulary for both sides (diagnostics: a slope in layers, a head too small to set the peak).
 
 Builds a tiny Llama (random weights), runs every engine for a full fine-tune and a LoRA in one torchrun
 launch (memfit.measure.engine_matrix, gloo), and a single-process reference with the same global batches.
@@ -65,11 +68,14 @@ def _estimate(model_dir: Path, sets: list[str], steps: int) -> int | None:
 
 
 PEAK_RAW = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "num_hidden_layers": 4, "vocab_size": 2000}
+            "num_hidden_layers": int(os.environ.get("MEMFIT_PEAK_LAYERS", "4")), "vocab_size": int(os.environ.get("MEMFIT_PEAK_VOCAB", "2000"))}  # diagnostics: a slope in layers, a small head
 PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp1/qlora", "fsdp2/full", "fsdp2/lora", "fsdp2/qlora",
               # + gradient checkpointing as the HF Trainer enables it (non-reentrant, inside each decoder layer's
               # __call__: transformers' GradientCheckpointingLayer), not in the default set (--cases)
-              "fsdp1/lora+gc", "fsdp2/lora+gc", "fsdp1/full+gc", "fsdp2/full+gc")
+              "fsdp1/lora+gc", "fsdp2/lora+gc", "fsdp1/full+gc", "fsdp2/full+gc",
+              # + transformers < 4.52's checkpoint: reentrant, around each decoder layer's FSDP unit (here put
+              # there by _legacy_checkpoint); FSDP1's reshard-only hook keeps every layer's input and gradient
+              "fsdp1/lora+gcl", "fsdp1/qlora+gcl", "fsdp1/full+gcl")
 DEFAULT_PEAK_CASES = PEAK_CASES[:6]
 
 
@@ -77,11 +83,12 @@ def _peak_strategy(case: str):
     from memfit.spec.strategy import Strategy
 
     version, method = case.split("/")
-    gc = method.endswith("+gc")
-    method = method.removesuffix("+gc")
+    legacy = method.endswith("+gcl")
+    gc = legacy or method.endswith("+gc")
+    method = method.removesuffix("+gcl").removesuffix("+gc")
     extra = {"quant_storage": "fp32"} if method == "qlora" else {}  # one dtype per flat parameter (fp32 run)
     return Strategy(method=method, precision="fp32", seq_len=512, micro_batch_size=2, fsdp="full_shard",
-                    gradient_checkpointing=gc,
+                    gradient_checkpointing=gc, hf_legacy_checkpoint=legacy,
                     fsdp_version=int(version[-1]), lora_dropout=0.0, lora_r=16, **extra,
                     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
@@ -118,6 +125,30 @@ def _wrap(model, case: str, peft_model):
     return model
 
 
+def _legacy_checkpoint(model) -> None:
+    """transformers < 4.52's gradient checkpointing: the model's layer loop calls torch's reentrant checkpoint
+    around each decoder layer — here around each decoder layer's FSDP unit, as it was when FSDP wrapped the
+    layers (``self._gradient_checkpointing_func(decoder_layer.__call__, hidden_states, ...)``)."""
+    import functools
+
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class AroundUnit(torch.nn.Module):
+        def __init__(self, unit):
+            super().__init__()
+            self.unit = unit
+
+        def forward(self, hidden_states, *args, **kwargs):
+            return torch.utils.checkpoint.checkpoint(functools.partial(self.unit, **kwargs), hidden_states, *args,
+                                                     use_reentrant=True)
+
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for i, unit in enumerate(layers):
+            if isinstance(unit, FSDP):
+                layers[i] = AroundUnit(unit)
+
+
 def _quantized(model):
     """The same random model reloaded through transformers' bitsandbytes NF4 path (CPU kernels), storage fp32
     as memfit's QLoRA under FSDP on the CPU (one dtype per flat parameter), compute fp32."""
@@ -150,9 +181,11 @@ def build_case(case: str):
     peft_model = st.method in ("lora", "qlora")
     if st.method == "qlora":
         model = _quantized(model)
-    if st.gradient_checkpointing:  # as memfit's methods enable it (memfit.methods.base.GC_KWARGS)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if peft_model:
+    if st.gradient_checkpointing:  # as memfit's methods enable it (memfit.methods.base.GC_KWARGS); the
+        # legacy one is put around the wrapped units below instead
+        if not st.hf_legacy_checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if peft_model or st.hf_legacy_checkpoint:
             model.enable_input_require_grads()
     if peft_model:
         from peft import LoraConfig, get_peft_model
@@ -160,6 +193,8 @@ def build_case(case: str):
         model = get_peft_model(model, LoraConfig(r=st.lora_r, lora_alpha=st.lora_alpha, lora_dropout=0.0,
                                                  target_modules=list(st.lora_targets), task_type="CAUSAL_LM"))
     model = _wrap(model, case, peft_model)
+    if st.hf_legacy_checkpoint:
+        _legacy_checkpoint(model)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(1)
     return model, opt, torch.randint(0, PEAK_RAW["vocab_size"], (2, 512), generator=g)

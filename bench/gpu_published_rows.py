@@ -157,10 +157,42 @@ def _engine(row: dict) -> dict:
     if "zero-2" in eng:
         return {"zero_stage": 2, **({"offload": "optimizer"} if "offload_optimizer=true" in eng else {})}
     if "fsdp" in eng:
-        raise Skip("FSDP settings not published")
+        return _fsdp(row, eng)
     if int(row["gpu"]["count"] or 1) > 1:
         raise Skip(f"multi-GPU engine {row['engine']!r} not recognised")
     return {}
+
+
+def _fsdp(row: dict, eng: str) -> dict:
+    """An FSDP engine: the sharding the text names, else accelerate's default (FullyShardedDataParallelPlugin:
+    FULL_SHARD) where accelerate launched it; FSDP2 where the text says fully_shard / FSDP2, else FSDP1 (what
+    accelerate's plugin, fms-hf-tuning and Answer.AI ran in 2024); CPU offload of parameters where named."""
+    if "not given" in eng or "not published" in eng:
+        raise Skip("FSDP settings not published")
+    named = "shard_grad_op" if ("shard_grad_op" in eng or "shard grad op" in eng) else \
+        "full_shard" if ("full_shard" in eng or "full shard" in eng) else None
+    if named is None and "accelerate" not in eng + (row.get("framework") or "").lower():
+        raise Skip("FSDP settings not published")
+    out = {"fsdp": named or "full_shard",
+           "fsdp_version": 2 if ("fsdp2" in eng or "fully_shard" in eng) else 1}
+    if "cpuoffload" in eng.replace(" ", "").replace("_", "") or "offload_params" in eng:
+        out["offload"] = "optimizer+params"
+    return out
+
+
+def _legacy_checkpoint(row: dict, kw: dict) -> bool:
+    """transformers < 4.52's own checkpointing (reentrant, around each decoder layer: around its FSDP1 unit)
+    where the HF Trainer / TRL enabled it (strategy.hf_legacy_checkpoint; memfit.estimate.fsdp1). Answer.AI's
+    train.py and torchtune checkpoint inside the units; a row that names use_reentrant=False is not."""
+    if not (kw.get("fsdp") and kw.get("fsdp_version") == 1 and kw.get("gradient_checkpointing")):
+        return False
+    gc_text = str(row.get("gradient_checkpointing") or "").lower().replace(" ", "")
+    framework = (row.get("framework") or "").lower()
+    if "use_reentrant=false" in gc_text or not any(k in framework for k in ("trainer", "trl", "fms-hf-tuning")):
+        return False
+    version = str((row.get("software") or {}).get("transformers") or "")
+    parts = version.split(".")[:2]
+    return len(parts) == 2 and all(p.isdigit() for p in parts) and (int(parts[0]), int(parts[1])) < (4, 52)
 
 
 def _precision(row: dict, method: str) -> str:
@@ -210,8 +242,10 @@ def convert(row: dict) -> Case:
     q = (row.get("quantization") or "").lower()
     if method == "qlora":
         kw["double_quant"] = "double" in q or "nested" in q or "4-bit (qlora)" in q
-        if "quant_storage bf16" in q or "quant_storage=bf16" in q and kw.get("zero_stage") == 3:
+        sharded = kw.get("zero_stage") == 3 or bool(kw.get("fsdp"))
+        if "quant_storage bf16" in q or "quant_storage=bf16" in q and sharded:
             kw["quant_storage"] = "bf16"
+    kw["hf_legacy_checkpoint"] = _legacy_checkpoint(row, kw)
     try:
         strategy = Strategy(**kw)
     except Exception as err:  # pydantic: a combination memfit does not model

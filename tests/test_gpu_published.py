@@ -66,3 +66,30 @@ def test_a_run_that_ran_but_is_called_not_fitting_is_counted(tmp_path, capsys):
 def test_missing_file_is_one_line(tmp_path, capsys):
     assert G.main(["--file", str(tmp_path / "nope.jsonl")]) == 2
     assert capsys.readouterr().err.startswith("error: --file")
+
+
+def test_an_fsdp1_row_is_mapped_with_its_checkpoint(tmp_path, capsys):
+    # the 2-GPU run the multi-GPU issue quotes: Llama-2-70B QLoRA on 2 x A100-80GB under accelerate's FSDP (FSDP1),
+    # fms-hf-tuning (HF Trainer + TRL) on transformers 4.48: its reentrant checkpoint sits around each decoder
+    # layer's unit, which keeps every layer's input and gradient to the backward's end; 46.7 GB allocated
+    fsdp = {**BASE, "id": "q70x2", "model": "NousResearch/Llama-2-70b-hf", "gpu": {"model": "NVIDIA A100 80GB", "count": 2},
+            "engine": "FSDP FULL_SHARD over 2 GPUs, launched with accelerate",
+            "framework": "fms-hf-tuning sft_trainer (HF transformers Trainer + TRL SFTTrainer + PEFT + accelerate/FSDP)",
+            "software": {"transformers": "4.48.1"}, "micro_batch_size": 2,
+            "quantization": "bitsandbytes 4-bit NF4, double quant; bnb_4bit_quant_storage=bf16 under FSDP",
+            "primary_memory": {"value": 46.7e9, "unit": "bytes", "metric_class": "torch_max_memory_allocated"}}
+    unnamed = {**fsdp, "id": "x", "engine": "HF accelerate FSDP (settings not given)"}
+    path = tmp_path / "runs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (fsdp, unnamed)) + "\n")
+    import gpu_published_rows as R
+
+    case = R.convert(fsdp)
+    st = case.strategy
+    assert (st.fsdp, st.fsdp_version, st.quant_storage, st.hf_legacy_checkpoint) == ("full_shard", 1, "bf16", True)
+    assert not R.convert({**fsdp, "software": {"transformers": "4.53.0"}}).strategy.hf_legacy_checkpoint
+    assert not R.convert({**fsdp, "framework": "Answer.AI fsdp_qlora train.py"}).strategy.hf_legacy_checkpoint
+    assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["id"]: r for r in out["rows"]}
+    assert abs(rows["q70x2"]["error"]) < 0.02, rows["q70x2"]
+    assert out["skipped"] == [{"id": "x", "group": "g", "why": "FSDP settings not published"}]

@@ -46,6 +46,10 @@ def _strategy_options() -> dict[str, Any]:
         offload=typer.Option(None, "--offload", help="none | optimizer | optimizer+params", rich_help_panel=S),
         gradient_checkpointing=typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
                                             help="Recompute activations in backward.", rich_help_panel=S),
+        hf_legacy_checkpoint=typer.Option(None, "--hf-legacy-checkpoint/--no-hf-legacy-checkpoint",
+                                          help="With checkpointing: price transformers < 4.52's reentrant "
+                                          "checkpoint around each decoder layer (planning another stack; memfit "
+                                          "trains with its own).", rich_help_panel=S),
         attention=typer.Option(None, "--attention", help="eager | sdpa | fa2", rich_help_panel=S),
         optimizer=typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd", rich_help_panel=S),
         precision=typer.Option(None, "--precision", help="fp32 | fp16-mixed | bf16-mixed | bf16 "
@@ -352,7 +356,7 @@ def _with_strategy_flags(fn: Any) -> Any:
     sig = inspect.signature(fn, eval_str=True)
     kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
              "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool,
-             "lora_rslora": bool, "fsdp_sync_each_batch": bool}
+             "lora_rslora": bool, "fsdp_sync_each_batch": bool, "hf_legacy_checkpoint": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

@@ -116,11 +116,20 @@ def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
             "offload=optimizer instead of optimizer+params, or set cpu_ram if the node has more"]
 
 
+def planning_only(run: RunSpec) -> list[str]:
+    """Strategy keys that describe another stack for the estimate and that memfit's trainer does not run."""
+    if run.strategy.hf_legacy_checkpoint:
+        return ["strategy.hf_legacy_checkpoint prices transformers < 4.52's reentrant checkpoint around each "
+                "layer (planning another stack); memfit trains with transformers 5's checkpoint inside each "
+                "layer: set it false"]
+    return []
+
+
 def reasons(run: RunSpec) -> list[str]:
     """Every reason this launch cannot run ``run``; [] when it can."""
     world, local_world = launched_world()
     cuda = _cuda_devices()
-    out = world_reasons(run, world, local_world, cuda)
+    out = world_reasons(run, world, local_world, cuda) + planning_only(run)
     out += engine_reasons(run, cpu=cuda == 0)
     s = run.strategy
     if cuda and s.zero_stage and s.offload != "none" and s.optimizer == "adamw":
@@ -139,7 +148,7 @@ def before_launch(run: RunSpec) -> list[str]:
         run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
     model, hardware = _specs(run)
     cpu = hardware is None or hardware.gpu.is_cpu
-    out = engine_reasons(run, cpu=cpu)
+    out = planning_only(run) + engine_reasons(run, cpu=cpu)
     if model is not None and hardware is not None:
         out += rule_reasons(run, model, hardware) + ram_reasons(run, model, hardware)
     if not cpu:

@@ -67,6 +67,26 @@ prefetch, ``sync_module_states`` + ``cpu_ram_efficient_loading``. Paths below ar
 - **Rank 0's full CPU copy** (``_init_utils.py`` ``_sync_module_params_and_buffers``; transformers reads
   ``FSDP_CPU_RAM_EFFICIENT_LOADING`` and builds the other ranks on the meta device): one full copy per node at
   the load dtype, in host.py.
+- **A reentrant checkpoint around the units keeps every layer's input and its gradient to the backward's
+  end.** transformers < 4.52 checkpoints in the model's layer loop (``self._gradient_checkpointing_func(
+  decoder_layer.__call__, ...)``, reentrant by default), i.e. *around* each decoder layer's FSDP unit: the
+  recompute in backward (torch/utils/checkpoint.py ``CheckpointFunction.backward``) calls the unit's forward
+  again on the layer input's detached leaf (``detach_variable``: the same storage), and autograd accumulates
+  that leaf's gradient into its ``.grad``. For a frozen unit (a decoder layer once PEFT's policy has put the
+  adapters in units of their own) FSDP1 reshards after backward through a ``register_multi_grad_hook`` on that
+  leaf (``_runtime_utils.py`` ``_pre_forward`` -> ``_register_post_backward_reshard_only_hook``), whose closure
+  holds the leaf's AccumulateGrad node and with it the leaf and its ``.grad`` until ``_finalize_params`` drops
+  the hook at the backward's end. Measured on 2 gloo ranks (bench/distributed_memory.py ``+gcl`` cases: the
+  checkpoint put around each unit; the leaves and their gradients are still alive at the embedding's gradient,
+  8 of each for 8 layers) the same happens for fully trained units, where that hook is not registered — held
+  C++-side by something not identified here — so memfit prices it for every method: at the first layer's
+  backward every layer's input and every later layer's input gradient are live (:func:`reentrant_retained`;
+  ``strategy.hf_legacy_checkpoint``). Where the checkpoint sits *inside* the unit (transformers >= 4.52's
+  ``GradientCheckpointingLayer``, memfit's trainer; Answer.AI's ``apply_activation_checkpointing`` after
+  wrapping) the unit's forward runs once, on the non-leaf input, and nothing is kept (measured: the same peak
+  as without the flag). The published 2 x A100 Llama-2-70B QLoRA run (46.7 GB allocated) reads +0.9 % with it
+  (−22 % without); on gloo the emulation keeps about one hidden-sized tensor per layer more than this prices
+  (docs/distributed.md).
 - **QLoRA's quant_storage inside flat parameters**: ``Params4bit`` data stored as ``bnb_4bit_quant_storage``
   (bf16: four NF4 values per element) is flattened with the layer's 16-bit parameters (one dtype per flat
   parameter); its quantisation state is a module attribute, replicated on every rank, as under FSDP2.
@@ -152,3 +172,12 @@ def root_unit(model: ModelSpec, half: float) -> tuple[float, float]:
     head = model.head_parameters or model.embedding_parameters
     norm = model.hidden * (2 if model.norm == "layernorm" else 1)
     return root_parameters(model) * half, (head + norm) * half
+
+
+def reentrant_retained(gc: bool, around_units: bool, act_in: float, layers: int) -> float:
+    """Bytes live at the first layer's backward beyond what checkpointing keeps there (its own input), under a
+    reentrant checkpoint around the decoder units (module docstring): the other layers' inputs and their
+    gradients, at the residual stream's dtype like ``act_in`` (every layer's input)."""
+    if not (gc and around_units):
+        return 0.0
+    return 2.0 * act_in * (layers - 1) / layers

@@ -5,7 +5,8 @@ DeepSpeed drops its averaged partitions after the step, as measured with gloo on
 grad_accum = 1 they build up only while backward frees activations; with accumulation they are live
 throughout. Phases: A = start of backward (all saved activations + logits); F = the loss at the end of
 forward; with checkpointing B1 = last layer recomputing (inputs + its working set + logits' grads); B2 =
-backward at the first layer (its working set + nearly all gradients); FSDP1 only: P = the last layer's
+backward at the first layer (its working set + nearly all gradients; FSDP1 with transformers < 4.52's reentrant
+checkpoint: + every layer's input and gradient); FSDP1 only: P = the last layer's
 post-backward hook (its unsharded gradient + reduce-scatter output beside the prefetched layer, after the
 working set is freed) and E = the backward's end (the root's gradient); C = the optimizer step (grads +
 step temporaries).
@@ -116,8 +117,12 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
+        # B2: the first layer; FSDP1 under transformers < 4.52's reentrant checkpoint keeps the other layers' inputs and their
+        # gradients to the backward's end (memfit.estimate.fsdp1)
+        kept = F1.reentrant_retained(gc, st.hf_legacy_checkpoint, act_in, model.layers) \
+            if run.fsdp_version == 1 else 0.0
         phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - saved.head_grad) + g_last, act_bwd),
-                   (g_keep + working + act_in / model.layers + g_first, act_bwd)]  # B2: the first layer
+                   (g_keep + working + act_in / model.layers + kept + g_first, act_bwd)]
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
                    (g_keep + (act_layers + adapter_acts) / model.layers + act_bwd + layer_bufs + g_first, act_bwd)]

@@ -62,6 +62,14 @@ class Strategy(BaseModel):
                                        "memory). Without FSDP or accumulation it is ignored (always true)")
     offload: Offload = "none"
     gradient_checkpointing: bool = False
+    hf_legacy_checkpoint: bool = Field(False, description="with gradient_checkpointing: the checkpoint "
+                                       "transformers < 4.52 applies (the model calls torch's reentrant checkpoint, "
+                                       "its default then, around each decoder layer: outside an FSDP unit "
+                                       "wrapping that layer; fms-hf-tuning and TRL runs of 2024). Under FSDP1 with "
+                                       "frozen decoder units it keeps every layer's input and its gradient to the "
+                                       "backward's end (memfit.estimate.fsdp1). Planning only: memfit's trainer "
+                                       "(transformers 5) checkpoints inside each layer, non-reentrant. Without "
+                                       "checkpointing it is ignored (always false)")
     attention: Attention = "sdpa"
     optimizer: Optimizer = "adamw"
     precision: Precision = "bf16-mixed"
@@ -135,6 +143,8 @@ class Strategy(BaseModel):
         # (a run file or --set that turns FSDP off keeps working, and DDP/ZeRO never differ by it)
         if isinstance(data, dict) and not data.get("fsdp") and data.get("fsdp_version", 2) != 2:
             data = {**data, "fsdp_version": 2}
+        if isinstance(data, dict) and data.get("hf_legacy_checkpoint") and not data.get("gradient_checkpointing"):
+            data = {**data, "hf_legacy_checkpoint": False}  # the checkpoint's kind means nothing without it
         # likewise fsdp_sync_each_batch: it decides something only under FSDP with accumulation
         if isinstance(data, dict) and "fsdp_sync_each_batch" in data and (
                 not data.get("fsdp") or int(data.get("grad_accum", 1) or 1) <= 1):
@@ -184,7 +194,7 @@ class Strategy(BaseModel):
         """A short human name, e.g. 'lora+zero2+gc+sdpa'."""
         parts = [self.method, self.engine]
         if self.gradient_checkpointing:
-            parts.append("gc")
+            parts.append("gc-hf-legacy" if self.hf_legacy_checkpoint else "gc")
         parts.append(self.attention)
         if self.offload != "none":
             parts.append(f"offload:{self.offload}")
