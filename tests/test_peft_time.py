@@ -82,7 +82,9 @@ def test_boft_times_its_rotation(monkeypatch, setting):
     """BOFT (peft/tuners/boft/layer.py Linear.forward:594-650, one butterfly factor) builds an in x in rotation
     each forward — bmm(block_diag, P.T), bmm(P, .), @ eye: three in x in x in GEMMs in the input's dtype, and
     three in backward (each product with a trained operand) — then x @ rotation, a linear of in x in whose
-    weight trains. q_proj and v_proj of Llama-3.2-3B both take in = 3072."""
+    weight trains. Without PEFT's fbd_cuda extension torch.block_diag builds the block diagonal: a zero fill and
+    one copy kernel per 4 x 4 block (3072 / 4 = 768) in forward, one stack in backward, each a kernel's fixed
+    time. q_proj and v_proj of Llama-3.2-3B both take in = 3072."""
     from memfit.steptime.gemm import gemm_seconds, linear_seconds
 
     boft = {"peft_type": "BOFT", "boft_block_size": 4, "boft_n_butterfly_factor": 1,
@@ -91,7 +93,9 @@ def test_boft_times_its_rotation(monkeypatch, setting):
     assert layer_work["weight_gemms"] == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
     assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, False, True),) * 2
     g = _rates(setting[1])
+    assert layer_work["kernels"] == (2 * (768 + 1.0), 2 * 1.0)
     per_linear = 6 * gemm_seconds(3072, 3072, 3072, g, 2.0) + sum(linear_seconds(T, 3072, 3072, g, True, 2.0))
+    per_linear += (768 + 1 + 1) * DEFAULT_PROFILE.gemm_kernel_seconds
     assert added == pytest.approx(28 * 2 * per_linear, rel=1e-9)
 
 

@@ -22,7 +22,7 @@ from memfit.steptime.gemm import gemm_seconds, linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
 from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
-                                  lora_elementwise_bytes, method_gemms, method_work, per_model)
+                                  lora_elementwise_bytes, method_gemms, method_kernels, method_work, per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
 
@@ -109,6 +109,8 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         count = fwd_n * (2.0 if gc else 1.0) + bwd_n
         adapter_s += L * per_layer * count * gemm_seconds(m_, n, k, g, e)
         adapter += 2.0 * m_ * n * k * L * per_layer * count
+    kf, kb = method_kernels(model, st, adapted)  # e.g. BOFT's per-block copies: a kernel's fixed time each
+    adapter_s += L * (kf * (2.0 if gc else 1.0) + kb) * g.gemm_kernel_seconds
     heads, d = model.heads, model.head_dim
     attn = 4.0 * b * s * s * model.q_dim * L * (4.0 if gc else 3.0)
     redo = 1.0 + (profile.attention_forward_share if gc else 0.0)

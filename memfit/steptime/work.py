@@ -133,3 +133,9 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
         return tuple(w.get("delta_linears", ())), tuple(w.get("weight_gemms", ()))
     return per_model(("method-gemms", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
                      compute)
+
+
+def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:
+    """Small kernels the method launches per layer and micro-batch beyond its GEMMs (forward, backward), e.g.
+    BOFT's block-diagonal build without PEFT's CUDA extension: one copy per block (``Method.extra_layer_work``)."""
+    return tuple(extra_work(model, st, adapted).get("kernels", (0.0, 0.0)))

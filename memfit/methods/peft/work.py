@@ -10,7 +10,9 @@ trained; ``cfg`` PEFT's config with its defaults filled in):
   linear (forward, input gradient, and the weight gradient when it trains);
 - ``weight_gemms``: ((m, n, k, forward count, backward count), ...): products of weight-sized matrices,
   whatever the tokens;
-- ``weight_bytes``: memory-bound bytes per forward whatever the tokens.
+- ``weight_bytes``: memory-bound bytes per forward whatever the tokens;
+- ``kernels``: (forward, backward) small kernels whose cost is their launch, not their work (BOFT's per-block
+  copies), each at the Profile's ``gemm_kernel_seconds``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ def _delta(w: dict, cfg: dict) -> dict:
 def _boft(w: dict, cfg: dict) -> dict:
     # boft/layer.py Linear.forward:594-650: an in x in rotation built from the butterfly blocks each forward:
     # bmm(block_diag, P.T) and bmm(P, .) per butterfly factor, N - 1 chained products, @ eye (3N GEMMs in the
-    # input's dtype; 4N - 1 in backward, every product with a trained operand), then x @ rotation
+    # input's dtype; 4N - 1 in backward, every product with a trained operand), then x @ rotation.
+    # Without PEFT's fbd_cuda extension (JIT-built with ninja and nvcc at first use, layer.py:77-102; on failure
+    # the butterfly factor drops to 1, layer.py:283-291) the block diagonal is torch.block_diag(*unbind(R))
+    # (layer.py:621-624): ATen's block_diag (native/TensorShape.cpp) zero-fills the in x in result, then copies
+    # each H x H block with its own slice().slice().copy_() -- a small kernel per block; its backward only
+    # slices (views) and unbind's backward stacks the blocks' gradients (one cat)
     k, factors = float(w["in"]), int(cfg.get("boft_n_butterfly_factor") or 1)
-    return {"linears": ((k, k, False, True),), "weight_gemms": ((k, k, k, 3.0 * factors, 4.0 * factors - 1.0),)}
+    size = int(cfg.get("boft_block_size") or 0)
+    blocks = int(cfg.get("boft_block_num") or 0) or (int(k) // size if size else 0)
+    return {"linears": ((k, k, False, True),), "weight_gemms": ((k, k, k, 3.0 * factors, 4.0 * factors - 1.0),),
+            "kernels": (blocks + 1.0, 1.0)}
 
 
 def _randlora(w: dict, cfg: dict) -> dict:
@@ -62,7 +72,7 @@ def layer_work(count: dict, layers: int) -> dict:
     """``Method.extra_layer_work`` for method=peft: per decoder layer, ``delta_linears`` (in, out, instances,
     in the adapter dtype, weight trains), ``weight_gemms`` (m, n, k, forward, backward, instances) and
     ``weight_bytes``, from PEFT's count of the wrapped modules (memfit.methods.peft.count)."""
-    linears, gemms, nbytes = [], [], 0.0
+    linears, gemms, nbytes, kf, kb = [], [], 0.0, 0.0, 0.0
     for w in count["wrapped"]:
         rule = RULES.get(w["type"])
         if rule is None:
@@ -72,6 +82,8 @@ def layer_work(count: dict, layers: int) -> dict:
         linears += [(k, n, share, adapter_dtype, trains) for k, n, adapter_dtype, trains in got.get("linears", ())]
         gemms += [(*g, share) for g in got.get("weight_gemms", ())]
         nbytes += got.get("weight_bytes", 0.0) * share
+        fwd, bwd = got.get("kernels", (0.0, 0.0))
+        kf, kb = kf + fwd * share, kb + bwd * share
     out: dict = {}
     if linears:
         out["delta_linears"] = tuple(linears)
@@ -79,4 +91,6 @@ def layer_work(count: dict, layers: int) -> dict:
         out["weight_gemms"] = tuple(gemms)
     if nbytes:
         out["weight_bytes"] = nbytes
+    if kf or kb:
+        out["kernels"] = (kf, kb)
     return out
