@@ -81,4 +81,4 @@ def test_a_peft_method_estimate_carries_its_own_time_error_bar():
     st = Strategy(method="peft", peft_config=ia3, precision="bf16", micro_batch_size=4, seq_len=768)
     err = estimate(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"), st).to_dict()["time"]["published_error"]
     assert err["kind"] == "peft, 1 GPU" and err["rows"] >= 100 and err["held_out"] is True
-    assert err["max_pct"] > 100  # the adapters' own kernels are not timed: some PEFT methods run far slower
+    assert err["max_pct"] > 50  # some adapters' own kernels are not timed: a few PEFT methods run far slower

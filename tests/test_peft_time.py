@@ -127,3 +127,24 @@ def test_osf_times_its_rank_2r_update(setting):
     linears = peft_method.METHOD.extra_layer_work(setting[0], _strategy(cfg), frozenset())["delta_linears"]
     shapes = sorted((round(k), round(n)) for k, n, share, f32, trains in linears if share == 1.0 and f32 and trains)
     assert len(linears) == 4 and shapes == sorted([(3072, 256), (256, 3072), (3072, 256), (256, 1024)])
+
+
+def test_every_wrapped_linear_does_loras_elementwise_and_host_work(setting):
+    """Whatever the layer type, a wrapped linear casts its input to the fp32 adapter, applies its dropout and
+    adds (or multiplies) its result into the base's output: LoRA's work beyond its GEMMs, per token, and 6 host
+    ops (memfit.methods.peft.work.GENERIC_OPS). IA3 on k, v (1024 out) and down_proj (8192 in) of Llama-3.2-3B,
+    no dropout, pure bf16 (2-byte values, the fp32 cast)."""
+    import memfit.methods.peft as peft_method
+    from memfit.steptime.work import lora_elementwise_bytes, method_work
+
+    model = setting[0]
+    cfg = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
+    st = _strategy(cfg)
+    work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
+    assert sorted(work["lora_like"]) == [(3072.0, 1024.0, 1.0), (3072.0, 1024.0, 1.0), (8192.0, 3072.0, 1.0)]
+    assert work["ops"] == 3 * 6.0 and work["dropout"] is False
+    by_hand = 2 * lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) \
+        + lora_elementwise_bytes(8192, 3072, 2.0, False, True, False)
+    # per token: forward 5e n + (e + 4) k, backward 2e n + 3e k + (e + 4) k: k_proj's 2 x 1024 x 7 + 2 x 6 x 3072 + 6 x 3072
+    assert lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) == 14 * 1024 + 12 * 3072 + 6 * 3072
+    assert method_work(model, st, frozenset(), False)[1] == pytest.approx(by_hand, rel=1e-12)

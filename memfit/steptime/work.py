@@ -117,8 +117,11 @@ def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[flo
             1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))
         largest = max([4.0 * x.in_features * x.out_features for x in model.linears if x.name in adapted]
                       + [4.0 * d[0] * d[1] for d in w.get("delta_linears", ())], default=1.0)
+        e = 4.0 if st.precision == "fp32" else 2.0  # method=peft's wrapped linears: LoRA's elementwise work
+        like = sum(share * lora_elementwise_bytes(k, n, e, bool(w.get("dropout")), e != 4.0, gc)
+                   for k, n, share in w.get("lora_like", ()))
         return (w.get("weight_bytes", 0.0) * fwd, w.get("token_forward_bytes", 0.0) * fwd
-                + w.get("token_backward_bytes", 0.0), ops, largest)
+                + w.get("token_backward_bytes", 0.0) + like, ops, largest)
     return per_model(("method-work", id(model), st.method, getattr(st, "peft_config", None), adapted, gc), model,
                      compute)
 

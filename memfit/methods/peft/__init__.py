@@ -5,8 +5,9 @@ only then, the count cached); the bytes each wrapped module saves for backward f
 layer code (:mod:`~memfit.methods.peft.saved`, each rule cited). Trained like the other adapters: fp32
 adapter parameters (PEFT's ``autocast_adapter_dtype``) with their gradients and optimizer state, the base
 frozen at 16 bits. The time model prices the base model's work, prompt learning's virtual tokens and the
-delta-weight methods' second linear, BOFT's rotation, RandLoRA's and OSF's extra linears
-(:meth:`Peft.extra_layer_work`); other adapters' own kernels are not timed.
+delta-weight methods' second linear, BOFT's rotation, RandLoRA's and OSF's extra linears, and every wrapped
+linear's LoRA-like cast, dropout and add (:meth:`Peft.extra_layer_work`); other adapters' own kernels are not
+timed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The GEMMs each PEFT layer type runs beyond its base layer, per wrapped module, for the time model — read
 from the layer's ``forward`` at the pinned peft==0.21.2 (``peft/tuners/<method>/layer.py``, line numbers of that
 version), as :mod:`~memfit.methods.peft.saved` reads what they keep. A type without a rule adds no GEMM of its
-own here (its host and elementwise work is not timed).
+own here; every wrapped linear gets LoRA's elementwise and host work (``GENERIC_OPS``, below).
 
 Each rule gives, for one wrapped module ``w`` (``in``/``out`` features, ``count`` instances, ``params``
 trained; ``cfg`` PEFT's config with its defaults filled in):
@@ -68,11 +68,22 @@ RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "boft.L
                               "randlora.Linear": _randlora, "osf.Linear": _osf}
 
 
+# Every wrapped linear, whatever its type: PEFT's tuner layers run the base layer, cast the input to the
+# adapter's dtype (BaseTunerLayer._cast_input_dtype: fp32 adapters on a 16-bit base), apply their dropout, and
+# scale and add (or multiply) their result into the base's output — LoRA's work beyond its GEMMs
+# (memfit.steptime.work.lora_elementwise_bytes) and its host ops: cast, dropout, the adapter, scale, add, ~6
+GENERIC_OPS = 6.0
+
+
 def layer_work(count: dict, layers: int) -> dict:
     """``Method.extra_layer_work`` for method=peft: per decoder layer, ``delta_linears`` (in, out, instances,
-    in the adapter dtype, weight trains), ``weight_gemms`` (m, n, k, forward, backward, instances) and
-    ``weight_bytes``, from PEFT's count of the wrapped modules (memfit.methods.peft.count)."""
+    in the adapter dtype, weight trains), ``weight_gemms`` (m, n, k, forward, backward, instances),
+    ``weight_bytes`` and ``kernels`` from the type's rule, and for every wrapped linear its LoRA-like
+    elementwise work (``lora_like``: (in, out, instances); ``dropout``: the config has one) and host ``ops``,
+    from PEFT's count of the wrapped modules (memfit.methods.peft.count)."""
     linears, gemms, nbytes, kf, kb = [], [], 0.0, 0.0, 0.0
+    generic = [(float(w["in"]), float(w["out"]), w["count"] / layers) for w in count["wrapped"]
+               if w.get("in") and w.get("out")]
     for w in count["wrapped"]:
         rule = RULES.get(w["type"])
         if rule is None:
@@ -93,4 +104,10 @@ def layer_work(count: dict, layers: int) -> dict:
         out["weight_bytes"] = nbytes
     if kf or kb:
         out["kernels"] = (kf, kb)
+    if generic:
+        cfg = count["config"]
+        out["lora_like"] = tuple(generic)
+        out["dropout"] = any(key.endswith("dropout") and isinstance(v, (int, float)) and v > 0
+                             for key, v in cfg.items())
+        out["ops"] = GENERIC_OPS * sum(share for _, _, share in generic)
     return out
