@@ -76,12 +76,13 @@ prefetch, ``sync_module_states`` + ``cpu_ram_efficient_loading``. Paths below ar
   adapters in units of their own) FSDP1 reshards after backward through a ``register_multi_grad_hook`` on that
   leaf (``_runtime_utils.py`` ``_pre_forward`` -> ``_register_post_backward_reshard_only_hook``), whose closure
   holds the leaf's AccumulateGrad node and with it the leaf and its ``.grad`` until ``_finalize_params`` drops
-  the hook at the backward's end. Measured on 2 gloo ranks (bench/distributed_memory.py ``+gcl`` cases: the
-  checkpoint put around each unit; the leaves and their gradients are still alive at the embedding's gradient,
-  8 of each for 8 layers) the same happens for fully trained units, where that hook is not registered — held
-  C++-side by something not identified here — so memfit prices it for every method: at the first layer's
-  backward every layer's input and every later layer's input gradient are live (:func:`reentrant_retained`;
-  ``strategy.hf_legacy_checkpoint``). Where the checkpoint sits *inside* the unit (transformers >= 4.52's
+  the hook at the backward's end. memfit prices it under FSDP1 for every method: at the first layer's backward
+  every layer's input and every later layer's input gradient are live (:func:`reentrant_retained`;
+  ``strategy.hf_legacy_checkpoint``). The CPU cannot isolate the hook: its emulation (bench/distributed_memory.py
+  ``+gcl`` cases, transformers 5 with the reentrant checkpoint put around each unit) keeps the detached inputs
+  and their gradients to the backward's end for trained units too, and without FSDP at all — while the
+  published single-GPU runs with this checkpoint (fms-hf-tuning, no FSDP) read within a few % without the term,
+  so it is not priced there. Where the checkpoint sits *inside* the unit (transformers >= 4.52's
   ``GradientCheckpointingLayer``, memfit's trainer; Answer.AI's ``apply_activation_checkpointing`` after
   wrapping) the unit's forward runs once, on the non-leaf input, and nothing is kept (measured: the same peak
   as without the flag). The published 2 x A100 Llama-2-70B QLoRA run (46.7 GB allocated) reads +0.9 % with it
