@@ -68,7 +68,9 @@ def _estimate(model_dir: Path, sets: list[str], steps: int) -> int | None:
 
 
 PEAK_RAW = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "num_hidden_layers": int(os.environ.get("MEMFIT_PEAK_LAYERS", "4")), "vocab_size": int(os.environ.get("MEMFIT_PEAK_VOCAB", "2000"))}  # diagnostics: a slope in layers, a small head
+            # diagnostics (module docstring): a slope in layers, a head too small to set the peak
+            "num_hidden_layers": int(os.environ.get("MEMFIT_PEAK_LAYERS", "4")),
+            "vocab_size": int(os.environ.get("MEMFIT_PEAK_VOCAB", "2000"))}
 PEAK_CASES = ("fsdp1/full", "fsdp1/lora", "fsdp1/qlora", "fsdp2/full", "fsdp2/lora", "fsdp2/qlora",
               # + gradient checkpointing as the HF Trainer enables it (non-reentrant, inside each decoder layer's
               # __call__: transformers' GradientCheckpointingLayer), not in the default set (--cases)

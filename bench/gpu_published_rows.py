@@ -243,7 +243,7 @@ def convert(row: dict) -> Case:
     if method == "qlora":
         kw["double_quant"] = "double" in q or "nested" in q or "4-bit (qlora)" in q
         sharded = kw.get("zero_stage") == 3 or bool(kw.get("fsdp"))
-        if "quant_storage bf16" in q or "quant_storage=bf16" in q and sharded:
+        if "quant_storage bf16" in q or ("quant_storage=bf16" in q and sharded):
             kw["quant_storage"] = "bf16"
     kw["hf_legacy_checkpoint"] = _legacy_checkpoint(row, kw)
     try:

@@ -117,8 +117,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     if gc:
         working = act_layers + adapter_acts + act_bwd + layer_bufs
         # B1: the last layer recomputes (the tail and logits are freed by then: their backward has run)
-        # B2: the first layer; FSDP1 under transformers < 4.52's reentrant checkpoint keeps the other layers' inputs and their
-        # gradients to the backward's end (memfit.estimate.fsdp1)
+        # B2: the first layer; FSDP1 under transformers < 4.52's reentrant checkpoint keeps the other layers'
+        # inputs and their gradients to the backward's end (memfit.estimate.fsdp1)
         kept = F1.reentrant_retained(gc, st.hf_legacy_checkpoint, act_in, model.layers) \
             if run.fsdp_version == 1 else 0.0
         phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - saved.head_grad) + g_last, act_bwd),

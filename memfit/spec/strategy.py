@@ -65,9 +65,9 @@ class Strategy(BaseModel):
     hf_legacy_checkpoint: bool = Field(False, description="with gradient_checkpointing: the checkpoint "
                                        "transformers < 4.52 applies (the model calls torch's reentrant checkpoint, "
                                        "its default then, around each decoder layer: outside an FSDP unit "
-                                       "wrapping that layer; fms-hf-tuning and TRL runs of 2024). Under FSDP1 with "
-                                       "frozen decoder units it keeps every layer's input and its gradient to the "
-                                       "backward's end (memfit.estimate.fsdp1). Planning only: memfit's trainer "
+                                       "wrapping that layer; fms-hf-tuning and TRL runs of 2024). Under FSDP1 it "
+                                       "keeps every layer's input and its gradient to the backward's end "
+                                       "(memfit.estimate.fsdp1). Planning only: memfit's trainer "
                                        "(transformers 5) checkpoints inside each layer, non-reentrant. Without "
                                        "checkpointing it is ignored (always false)")
     attention: Attention = "sdpa"

@@ -122,8 +122,8 @@ def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[flo
                    for k, n, share in w.get("lora_like", ()))
         return (w.get("weight_bytes", 0.0) * fwd, w.get("token_forward_bytes", 0.0) * fwd
                 + w.get("token_backward_bytes", 0.0) + like, ops, largest)
-    return per_model(("method-work", id(model), st.method, getattr(st, "peft_config", None), adapted, gc), model,
-                     compute)
+    return per_model(("method-work", id(model), st.method, getattr(st, "peft_config", None), adapted, gc,
+                      st.precision), model, compute)
 
 
 def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple]:
