@@ -38,7 +38,7 @@ Features memfit cannot express -> skipped with the reason: ``torch_compile`` tru
 (``activation_offload(ing)`` or the engine text), optimizer step in backward (``optimizer`` optimizer_in_bwd),
 torchtitan's selective activation checkpointing (per-op: every second matmul recomputed; per-layer: every N-th
 block): neither memfit's gradient_checkpointing on nor off. Mapped: ``loss`` CEWithChunkedOutputLoss ->
-loss='chunked'; 8-bit AdamW -> optimizer='adamw8bit'; ``gradient_checkpointing`` yes / full AC -> True.
+loss='chunked'; 8-bit AdamW named as the type (not in a parenthesised aside) -> optimizer='adamw8bit'; ``gradient_checkpointing`` yes / full AC -> True.
 
 Precision (``precision``): 'pure bf16' / torchtune and Answer.AI 'bf16' (weights, grads, AdamW in bf16) -> bf16;
 fp32 master weights (torchtitan MixedPrecisionPolicy, accelerate aligned FSDP, DeepSpeed bf16) -> bf16-mixed.
@@ -234,7 +234,8 @@ def _features(row: dict, compiled: bool, notes: list) -> dict:
     if attn.startswith("not stated"):
         notes.append("attention not stated: sdpa")
     kw = {"gradient_checkpointing": gc.startswith(("yes", "full"))}
-    kw["optimizer"] = "adamw8bit" if ("8bit" in opt or "8-bit" in opt) else "adamw"
+    named = re.sub(r"\([^)]*\)", "", opt)  # the type named, not an aside ("(presumed; 8-bit AdamW is only ...)")
+    kw["optimizer"] = "adamw8bit" if ("8bit" in named or "8-bit" in named) else "adamw"
     kw["loss"] = "chunked" if "chunked" in (row.get("loss") or "").lower() else "standard"
     kw["attention"] = "fa2" if "flash-attn 2" in attn else "sdpa"
     mixed = "pure" not in prec and any(k in prec for k in ("fp32 master", "fp32 sharded master", "mixed precision"))

@@ -94,7 +94,34 @@ def test_optimizer_and_offload_by_hand():
     from memfit.steptime.speeds import catalog_speeds
     sp = catalog_speeds(A100, "bf16-mixed", "sdpa", prof)
     assert sp.adam_per_param == pytest.approx(80.0 / (2039e9 * prof.adam_bandwidth_fraction))
-    assert catalog_speeds(A100, "bf16", "sdpa", prof).adam_per_param == pytest.approx(sp.adam_per_param / 2)
+    # the speeds are per fp32 parameter whatever the precision; the run's dtypes scale them at use
+    assert catalog_speeds(A100, "bf16", "sdpa", prof).adam_per_param == pytest.approx(sp.adam_per_param)
+
+
+def test_optimizer_phase_follows_the_trainable_dtype():
+    """Pure bf16 full fine-tuning sweeps 16-bit states and gradients (AdamW's 80 B per fp32 value halved, the
+    clipping pass at 2 B); PEFT's fp32 adapters keep fp32 states under pure bf16; bitsandbytes' 8-bit AdamW is
+    one fused pass: parameter read + written, gradient read, two 1-byte moments read + written."""
+    from memfit.estimate.setup import Setup
+    from memfit.methods import METHODS
+    from memfit.steptime.speeds import catalog_speeds
+
+    def dtypes(**kw):
+        st = Strategy(**{**BASE, **kw})
+        return Setup(TINY, A100, st, Profile(), METHODS[st.method]).optimizer_dtypes()
+
+    assert dtypes(precision="bf16") == {"grad_b": 2.0, "adam_scale": 0.5}
+    assert dtypes(precision="bf16-mixed") == {"grad_b": 4.0, "adam_scale": 1.0}
+    assert dtypes(precision="bf16", method="lora") == {"grad_b": 4.0, "adam_scale": 1.0}
+    assert dtypes(precision="bf16", optimizer="adamw8bit") == {"grad_b": 2.0, "adam_scale": (4 + 2 + 4) / 80}
+    assert dtypes(precision="bf16", zero_stage=2) == {"grad_b": 4.0, "adam_scale": 1.0}  # DeepSpeed's fp32 master
+    # by hand, one A100, 0.2 B trainable values in 10 tensors: the device's sweep outlasts the host's ops
+    prof = Profile()
+    sp = catalog_speeds(A100, "bf16", "sdpa", prof)
+    from memfit.steptime.loop import optimizer_seconds
+    p_t = 2e8
+    got = optimizer_seconds(sp, "ddp", p_t, 1, 10.0, p_t, 1, False, grad_b=2.0, adam_scale=0.5)
+    assert got == pytest.approx(p_t * 80.0 / (2039e9 * prof.adam_bandwidth_fraction) * 0.5 + p_t * 2.0 * 3.0 / sp.bandwidth)
 
 
 def test_exposed_comm_by_hand():

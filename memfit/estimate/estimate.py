@@ -97,7 +97,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                         g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
                         meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
                         fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp),
-                        prompt_tokens=method.prompt_tokens(model, strategy))
+                        prompt_tokens=method.prompt_tokens(model, strategy), **run.optimizer_dtypes())
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)

@@ -65,3 +65,18 @@ class Setup:
         self.shard_weights = engine == "zero3"
         self.shard_grads = engine in ("zero2", "zero3", "sgo")
         self.shard_optim = engine != "ddp"
+
+    def optimizer_dtypes(self) -> dict:
+        """What the optimizer phase sweeps per trainable value, for the time model: ``grad_b``, bytes per
+        gradient value (clipping reads and scales them), and ``adam_scale``, the update's bytes against the
+        80 B of torch's foreach AdamW on fp32 values (the speeds' AdamW figures): the parameters' dtype over
+        4 (a pure 16-bit full fine-tune under DDP / FSDP moves half; PEFT's fp32 adapters and fp32 masters
+        all of it); bitsandbytes' 8-bit AdamW one fused kernel per tensor (bitsandbytes/optim/optimizer.py
+        ``Optimizer8bit.update_step`` -> ``F.optimizer_update_8bit_blockwise``): the parameter read and
+        written, the gradient read, each 1-byte moment read and written. DeepSpeed steps its fp32 master
+        partition."""
+        if self.family == "deepspeed":
+            return {"grad_b": 4.0, "adam_scale": 1.0}
+        if self.strategy.optimizer == "adamw8bit":
+            return {"grad_b": self.grad_b, "adam_scale": (2.0 * self.weight_b + self.grad_b + 4.0) / 80.0}
+        return {"grad_b": self.grad_b, "adam_scale": self.weight_b / 4.0}

@@ -282,8 +282,8 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: An
         peak, large = g.peak, g.peak * g.matmul_max
         bw = device_kind(gpu.name).hbm * p.bandwidth_max_fraction
         op_s, att = g.host_op_seconds, g.peak * g.attention_max
-        states = 0.5 if precision == "bf16" else 1.0  # pure bf16: AdamW's states in the parameters' dtype
-        adam = p.adam_bytes_per_param * states / (device_kind(gpu.name).hbm * p.adam_bandwidth_fraction)
+        # per fp32 parameter; 16-bit states (pure bf16 full fine-tuning) scale it at use (steptime.loop)
+        adam = p.adam_bytes_per_param / (device_kind(gpu.name).hbm * p.adam_bandwidth_fraction)
         cpu_adam = hw.gpus_per_node / p.cpu_adam_params_per_second_node
     if hw.nodes > 1:
         bus = min(hw.inter_node_bandwidth * p.inter_node_efficiency, gpu.intra_node_bandwidth * p.intra_node_efficiency)

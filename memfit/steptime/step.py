@@ -38,7 +38,7 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
               meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
-              fsdp: bool = False, prompt_tokens: int = 0) -> dict[str, Any]:
+              fsdp: bool = False, prompt_tokens: int = 0, grad_b: float = 4.0, adam_scale: float = 1.0) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``. ``prompt_tokens``:
     virtual tokens a prompt-learning method puts in front of every sequence (PEFT's prompt tuning / P-tuning:
@@ -61,7 +61,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
     no_sync = fsdp and not getattr(st, "fsdp_sync_each_batch", True)  # accelerate's no_sync (estimate.peak)
-    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync, grad_b, adam_scale)
     if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
         share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
