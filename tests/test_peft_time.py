@@ -142,9 +142,83 @@ def test_every_wrapped_linear_does_loras_elementwise_and_host_work(setting):
     st = _strategy(cfg)
     work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
     assert sorted(work["lora_like"]) == [(3072.0, 1024.0, 1.0), (3072.0, 1024.0, 1.0), (8192.0, 3072.0, 1.0)]
-    assert work["ops"] == 3 * 6.0 and work["dropout"] is False
+    # 6 host ops each, and IA3's own count against LoRA's (bench/peft_host_ops.py: 2.29 fewer: no A, B)
+    assert work["ops"] == pytest.approx(3 * (6.0 - 2.29)) and work["dropout"] is False
     by_hand = 2 * lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) \
         + lora_elementwise_bytes(8192, 3072, 2.0, False, True, False)
     # per token: forward 5e n + (e + 4) k, backward 2e n + 3e k + (e + 4) k: k_proj's 2 x 1024 x 7 + 2 x 6 x 3072 + 6 x 3072
     assert lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) == 14 * 1024 + 12 * 3072 + 6 * 3072
     assert method_work(model, st, frozenset(), False)[1] == pytest.approx(by_hand, rel=1e-12)
+
+
+def _work(setting, cfg: dict) -> dict:
+    import memfit.methods.peft as peft_method
+
+    return peft_method.METHOD.extra_layer_work(setting[0], _strategy(cfg), frozenset())
+
+
+def test_weight_rebuilding_methods_by_hand(setting):
+    """FourierFT and WaveFT rebuild a weight-sized delta every forward (148 and 128 B per value, forward +
+    backward) and sync the host (1 and 8 per module); MiSS 'bat' runs the base product in fp32 with a weight
+    gradient, its r x r block products over the weight and 92 B per value; on q_proj (3072 x 3072) and v_proj
+    (3072 x 1024) of Llama-3.2-3B."""
+    from memfit.methods.peft.work import kernels_per_op
+
+    qv = 3072 * 3072 + 3072 * 1024
+    four = _work(setting, {"peft_type": "FOURIERFT", "target_modules": ["q_proj", "v_proj"], "n_frequency": 1000})
+    assert four["weight_bytes"] == 148.0 * qv and four["sync_ops"] == pytest.approx(2.0 / kernels_per_op())
+    wave = _work(setting, {"peft_type": "WAVEFT", "target_modules": ["q_proj", "v_proj"], "n_frequency": 5000})
+    assert wave["weight_bytes"] == 128.0 * qv and wave["sync_ops"] == pytest.approx(16.0 / kernels_per_op())
+    bat = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64, "init_weights": "bat"})
+    assert sorted((k, n, f32, trains) for k, n, share, f32, trains in bat["delta_linears"]) == \
+        [(3072.0, 1024.0, True, True), (3072.0, 3072.0, True, True)]
+    assert sorted(g[:5] for g in bat["weight_gemms"]) == [(1024.0, 3072.0, 64.0, 1.0, 1.0), (3072.0, 3072.0, 64.0, 1.0, 1.0)]
+    assert bat["weight_bytes"] == 92.0 * qv
+    plain = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64})
+    assert sorted(x[:2] for x in plain["delta_linears"]) == [(64.0, 1024.0), (64.0, 3072.0)]  # (T x r) @ (r x n)
+    assert plain["token_forward_bytes"] == 2 * 4.0 * 3072 and "weight_bytes" not in plain
+
+
+def test_token_side_methods_by_hand(setting):
+    """C3A: three complex GEMMs of 8 T k n / b FLOPs as a fp32 k -> 4 n / b linear, its FFTs' bytes per token;
+    OFT (r 32 blocks of 96 on 3072 inputs): the rotation's batched b^3 products (3 + 6) and x @ R as a
+    k -> b linear; PSOFT: x @ A @ R @ B in fp32 (A and B frozen), a solve's host sync unless Cayley-Neumann;
+    Lily: fp32 k -> r -> n with the experts' combine per forward + backward."""
+    c3a = _work(setting, {"peft_type": "C3A", "target_modules": ["q_proj"], "block_size": 64})
+    assert c3a["delta_linears"] == ((3072.0, 4.0 * 3072 / 64, 1.0, True, True),)
+    assert (c3a["token_forward_bytes"], c3a["token_backward_bytes"]) == (86.0 * 3072, 150.0 * 3072)
+    oft = _work(setting, {"peft_type": "OFT", "target_modules": ["q_proj"], "r": 32, "oft_block_size": 0})
+    assert oft["delta_linears"] == ((3072.0, 96.0, 1.0, True, True),)
+    assert oft["weight_gemms"] == ((3072.0, 96.0, 96.0, 3.0, 6.0, 1.0),) and oft["weight_bytes"] == 76 * 4 * 3072 * 96
+    psoft = _work(setting, {"peft_type": "PSOFT", "target_modules": ["q_proj"], "r": 256})
+    assert [x[:2] + x[3:] for x in psoft["delta_linears"]] == [(3072.0, 256.0, True, False), (256.0, 256.0, True, True),
+                                                                (256.0, 3072.0, True, False)]
+    assert psoft["sync_ops"] > 0
+    fast = _work(setting, {"peft_type": "PSOFT", "target_modules": ["q_proj"], "r": 256, "use_cayley_neumann": True})
+    assert "sync_ops" not in fast
+    lily = _work(setting, {"peft_type": "LILY", "target_modules": ["q_proj"], "r": 896, "num_B": 2, "stride_A": 14})
+    assert lily["weight_bytes"] == (36 * 2 + 16) * 896 * 3072 + 16 * 896 * 3072
+
+
+def test_adapter_own_work_by_hand(setting):
+    """AdaLoRA computes at init_r (the allocator masks E, it never shrinks A and B); VB-LoRA syncs once per
+    module and forward (logits .isinf().any() in an if); adaption prompt, per adapted layer: q_proj again,
+    the unused v_proj (half a linear: its forward only), o_proj, the scores and output against the prompt
+    (a q_dim -> 2 adapter_len linear), the prompt's k and v projections, all in the compute dtype."""
+    model = setting[0]
+    ada = _work(setting, {"peft_type": "ADALORA", "target_modules": ["q_proj"], "init_r": 64, "target_r": 32,
+                          "total_step": 1000})
+    assert ada["delta_linears"] == ((3072.0, 64.0, 1.0, True, True), (64.0, 3072.0, 1.0, True, True))
+    vb = _work(setting, {"peft_type": "VBLORA", "target_modules": ["q_proj", "v_proj"], "r": 4, "num_vectors": 256,
+                         "vector_length": 256, "topk": 2})
+    from memfit.methods.peft.work import kernels_per_op
+
+    assert vb["sync_ops"] == pytest.approx(2.0 / kernels_per_op())
+    ap = _work(setting, {"peft_type": "ADAPTION_PROMPT", "adapter_len": 100, "adapter_layers": 14,
+                         "target_modules": "self_attn"})
+    h, kv = 3072.0, 1024.0
+    assert [x[:2] for x in ap["delta_linears"]] == [(h, h), (h, kv / 2), (h, h), (h, 200.0)]
+    assert all(share == 0.5 and not f32 for _, _, share, f32, _ in ap["delta_linears"])  # 14 of 28 layers
+    assert ap["weight_gemms"] == ((100.0, kv, h, 2.0, 2.0, 0.5),)
+    assert ap["token_forward_bytes"] == pytest.approx(0.5 * (34 * h + 28 * 24 * 100))
+    assert model.heads == 24

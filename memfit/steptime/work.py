@@ -138,6 +138,13 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
                      compute)
 
 
+def method_syncs(model: ModelSpec, st, adapted: frozenset) -> float:
+    """Host synchronisations the method makes per layer and micro-batch, in module-level host ops
+    (``Method.extra_layer_work``'s ``sync_ops``, e.g. FourierFT's blocking upload of its indices every
+    forward): the device drains, then waits for the host's next launch."""
+    return float(extra_work(model, st, adapted).get("sync_ops", 0.0))
+
+
 def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:
     """Small kernels the method launches per layer and micro-batch beyond its GEMMs (forward, backward), e.g.
     BOFT's block-diagonal build without PEFT's CUDA extension: one copy per block (``Method.extra_layer_work``)."""

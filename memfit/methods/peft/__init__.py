@@ -45,7 +45,7 @@ class Peft(Method):
     def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict:
         """The PEFT layer's own GEMMs per decoder layer, for the time model (rules per layer type, read from
         PEFT's code: :mod:`~memfit.methods.peft.work`)."""
-        return layer_work(adapter_count(model, strategy), model.layers)
+        return layer_work(adapter_count(model, strategy), model)
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
         """Virtual tokens prompt tuning / P-tuning put before every sequence (peft_model.py's
