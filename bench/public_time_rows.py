@@ -30,7 +30,8 @@ prediction in ``predict``, so ``published_tps_per_gpu`` stays the published figu
 Methods (``method``, ``peft_config``, ``lora``): full* -> full; lora / qlora (``use_dora`` or '+dora' -> dora) with
 r, targets, dropout from ``peft_config`` (PEFT) or ``lora`` (torchtune: output_proj -> o_proj, 'mlp (w1,w2,w3)' ->
 gate/up/down_proj). Skipped: 'lora (LoRA-FA optimizer)'; LoRA variants that change the step (``use_bdlora``,
-``use_qalora``); every other PEFT method ("method X not in memfit's registry"). rsLoRA and init schemes
+``use_qalora``); OSF measured at peft < 0.21 (a forward that rebuilt the whole weight; 0.21.2's factored update
+is what memfit times). rsLoRA and init schemes
 (``use_rslora``, ``init_lora_weights``: 'mica', ...) do not change the step and map to lora.
 
 Features memfit cannot express -> skipped with the reason: ``torch_compile`` true (memfit times eager PyTorch;
@@ -180,6 +181,10 @@ def _hardware(row: dict, notes: list) -> HardwareSpec:
                         cpu_ram_bytes=int(ram.group(1)) * GiB if ram else 2048 * GiB, **extra)
 
 
+def _peft_version(row: dict) -> tuple[int, ...]:
+    return tuple(int(p) for p in ((row.get("software") or {}).get("peft") or "0.0").split(".")[:2])
+
+
 def _method(row: dict) -> tuple[str, dict]:
     method, pc, lora = row["method"], row.get("peft_config") or {}, row.get("lora") or {}
     if method.startswith("full"):
@@ -191,9 +196,14 @@ def _method(row: dict) -> tuple[str, dict]:
         import gpu_published_rows
 
         try:
-            return "peft", {"peft_config": gpu_published_rows.peft_config(pc, method, row)}
+            cfg = gpu_published_rows.peft_config(pc, method, row)
         except gpu_published_rows.Skip as why:
             raise Skip(str(why)) from None
+        if cfg["peft_type"] == "OSF" and _peft_version(row) < (0, 21):
+            raise Skip("OSF measured at peft < 0.21 (its forward rebuilt the whole weight, W = U S V high + low, "
+                       "and ran F.linear(x, W); the pinned 0.21.2 applies a factored rank-2r update, which memfit "
+                       "times)")
+        return "peft", {"peft_config": cfg}
     for flag in LORA_VARIANTS:
         if pc.get(flag):
             raise Skip(f"LoRA variant {flag} not in memfit's registry")

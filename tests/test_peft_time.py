@@ -61,15 +61,15 @@ def test_prompt_tuning_time_processes_the_virtual_tokens(setting):
 
 
 def test_delta_weight_methods_time_their_second_linear(monkeypatch, setting):
-    """LoHa applies its delta weight with a second F.linear(x, delta_w) beside the base layer
-    (peft/tuners/loha/layer.py:266-272), in fp32 (the input cast to the adapters): per layer one GEMM of
+    """LoKr (as LoHa) applies its delta weight with a second F.linear(x, delta_w) beside the base layer
+    (peft/tuners/lokr/layer.py:336-343), in fp32 (the input cast to the adapters): per layer one GEMM of
     q_proj's shape and one of v_proj's each forward and two each backward, priced as the base linears are
     (memfit.steptime.gemm) at the GPU's plain fp32 rate; and the delta weight, written in the forward, its
     gradient written and read back: 12 B per weight value."""
     from memfit.steptime.gemm import linear_seconds
 
-    loha = {"peft_type": "LOHA", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-    layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, loha)
+    lokr = {"peft_type": "LOKR", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, lokr)
     assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, True, True), (3072.0, 1024.0, 1.0, True, True))
     assert layer_work["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
     g = _rates(setting[1])
@@ -222,3 +222,31 @@ def test_adapter_own_work_by_hand(setting):
     assert ap["weight_gemms"] == ((100.0, kv, h, 2.0, 2.0, 0.5),)
     assert ap["token_forward_bytes"] == pytest.approx(0.5 * (34 * h + 28 * 24 * 100))
     assert model.heads == 24
+
+
+def test_loha_gralora_randlora_boft_by_hand(setting):
+    """LoHa: the Hadamard delta's n x r x k products (2 forward, 6 backward) and 88 B per weight value;
+    GraLoRA: LoRA's two fp32 linears and its reshape / cast / scale bytes; RandLoRA: 36 B per scaled-basis value
+    (rank 3072 x 3072 on q_proj); BOFT: boft_P (in x in fp32, left on the CPU) converted and uploaded every
+    forward, 8 B per value, and two host syncs (the upload, linalg.solve's check)."""
+    from memfit.methods.peft.work import kernels_per_op
+
+    loha = _work(setting, {"peft_type": "LOHA", "target_modules": ["q_proj"], "r": 32})
+    assert loha["weight_gemms"] == ((3072.0, 3072.0, 32.0, 2.0, 6.0, 1.0),) and loha["weight_bytes"] == 88.0 * 3072 ** 2
+    gra = _work(setting, {"peft_type": "GRALORA", "target_modules": ["v_proj"], "r": 32})
+    assert [x[:2] for x in gra["delta_linears"]] == [(3072.0, 32.0), (32.0, 1024.0)]
+    assert (gra["token_forward_bytes"], gra["token_backward_bytes"]) == (14.0 * 1024, 6.0 * 1024 + 8.0 * 3072)
+    rand = _work(setting, {"peft_type": "RANDLORA", "target_modules": ["q_proj"], "r": 32})
+    assert rand["weight_bytes"] == 36.0 * 3072 * 3072
+    boft = _work(setting, {"peft_type": "BOFT", "target_modules": ["q_proj", "v_proj"], "boft_block_size": 4})
+    assert boft["upload_bytes"] == 2 * 8.0 * 3072 ** 2 and boft["sync_ops"] == pytest.approx(4.0 / kernels_per_op())
+
+
+def test_boft_upload_is_priced_on_the_host_link(setting):
+    """The upload runs serially at the pool's host-to-device rate: the step grows by layers x bytes / h2d."""
+    from memfit.steptime.speeds import speeds_for
+
+    model, hw = setting
+    st = _strategy({"peft_type": "BOFT", "target_modules": ["q_proj"], "boft_block_size": 4})
+    t = estimate(model, hw, st).time
+    assert t["offload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2 / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)

@@ -22,6 +22,7 @@ from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
 from memfit.steptime.measured import micro_batch
 from memfit.steptime.micro import micro_batch as gpu_micro_batch
 from memfit.steptime.speeds import speeds_for
+from memfit.steptime.work import method_uploads
 
 
 def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
@@ -89,6 +90,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     if off_par:
         pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     offload_s = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
+    uploads = 0.0 if cpu else ga * model.layers * method_uploads(model, st, adapted)  # blocking: not overlapped
+    offload_s, pcie_b = offload_s + uploads / sp.h2d, pcie_b + uploads  # e.g. BOFT's permutation every forward
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
     if meft_traffic is not None:

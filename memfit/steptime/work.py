@@ -145,6 +145,12 @@ def method_syncs(model: ModelSpec, st, adapted: frozenset) -> float:
     return float(extra_work(model, st, adapted).get("sync_ops", 0.0))
 
 
+def method_uploads(model: ModelSpec, st, adapted: frozenset) -> float:
+    """Bytes per layer and micro-batch the host converts and copies to the device, waiting for them
+    (``Method.extra_layer_work``'s ``upload_bytes``, e.g. BOFT's permutation kept on the CPU)."""
+    return float(extra_work(model, st, adapted).get("upload_bytes", 0.0))
+
+
 def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:
     """Small kernels the method launches per layer and micro-batch beyond its GEMMs (forward, backward), e.g.
     BOFT's block-diagonal build without PEFT's CUDA extension: one copy per block (``Method.extra_layer_work``)."""

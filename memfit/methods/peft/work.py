@@ -14,6 +14,7 @@ trained; ``cfg`` PEFT's config with its defaults filled in):
 - ``kernels``: (forward, backward) small kernels whose cost is their launch, not their work (BOFT's per-block
   copies), each at the Profile's ``gemm_kernel_seconds``;
 - ``token_bytes``: (forward, backward) memory-bound bytes per token beyond LoRA's (e.g. C3A's FFTs of the input);
+- ``upload_bytes``: host bytes converted and copied to the device per forward, waited for (BOFT's boft_P);
 - ``ops``: host ops beyond the type's counted ones (a config the count did not run, e.g. MiSS's 'bat');
 - ``syncs``: host synchronisations per forward + backward (a blocking upload, a ``nonzero``): the device
   drains and waits for the host's next launch, each at the host's time of one kernel.
@@ -49,20 +50,42 @@ def _boft(w: dict, cfg: dict) -> dict:
     # (layer.py:621-624): ATen's block_diag (native/TensorShape.cpp) zero-fills the in x in result, then copies
     # each H x H block with its own slice().slice().copy_() -- a small kernel per block; its backward only
     # slices (views) and unbind's backward stacks the blocks' gradients (one cat)
+    # The permutation buffer boft_P (1 x in x in fp32, layer.py:362) is not an adapter tensor, so it stays on
+    # the CPU: `self.boft_P.to(x)` (layer.py:627) converts it to the input's dtype on the host and copies it up,
+    # pageable, every forward -- 4 + 2 B read and written on the host, 2 B over the link -- and waits for the
+    # copy; torch.linalg.solve's error check (the Cayley transform, layer.py:466) syncs once more
     k, factors = float(w["in"]), int(cfg.get("boft_n_butterfly_factor") or 1)
     size = int(cfg.get("boft_block_size") or 0)
     blocks = int(cfg.get("boft_block_num") or 0) or (int(k) // size if size else 0)
     return {"linears": ((k, k, False, True),), "weight_gemms": ((k, k, k, 3.0 * factors, 4.0 * factors - 1.0),),
-            "kernels": (blocks + 1.0, 1.0)}
+            "kernels": (blocks + 1.0, 1.0), "upload_bytes": 8.0 * k * k, "syncs": 2.0}
 
 
 def _randlora(w: dict, cfg: dict) -> dict:
     # randlora/layer.py forward:327-344, get_scaled_bases:262-308: F.linear(F.linear(x, first), second) of full
     # rank r x ceil(min(in, out) / r) in the adapter dtype; the shared random bases are frozen and only the one on
     # the smaller side is scaled by the trained lambda / gamma (its weight gradient)
+    # UniqueBaseGrad (layer.py:30-48, 303): lambda * A * gamma materialised (12 B per basis value forward),
+    # each einsum's gradient product (24 B backward), over rank x min(in, out) values
     k, n, r = float(w["in"]), float(w["out"]), int(cfg["r"])
     rank = float(r * math.ceil(min(k, n) / r))
-    return {"linears": ((k, rank, True, k <= n), (rank, n, True, k > n))}
+    return {"linears": ((k, rank, True, k <= n), (rank, n, True, k > n)), "weight_bytes": 36.0 * rank * min(k, n)}
+
+
+def _loha(w: dict, cfg: dict) -> dict:
+    # loha/layer.py HadaWeight:366-386: (w1a @ w1b) * (w2a @ w2b) * scale each forward: two n x r x k fp32
+    # products, six in the backward (the two recomputed, four gradients); ~76 B per weight value beyond the
+    # delta linear's 12 (the products' outputs, the Hadamard products with the gradient, their reads)
+    k, n, r = float(w["in"]), float(w["out"]), float(cfg.get("r") or 1)
+    return {**_delta(w, cfg), "weight_gemms": ((n, k, r, 2.0, 6.0),), "weight_bytes": 88.0 * k * n}
+
+
+def _gralora(w: dict, cfg: dict) -> dict:
+    # gralora/layer.py forward:362-379: LoRA's products as block-diagonal batched matmuls (rank r, the same
+    # FLOPs), an fp32 reshape copy of the output, its cast and scale in bf16: 14 n bytes per token forward,
+    # 6 n + 8 k backward beyond the generic cast and add
+    k, n, r = float(w["in"]), float(w["out"]), float(cfg.get("r") or 1)
+    return {"linears": ((k, r, True, True), (r, n, True, True)), "token_bytes": (14.0 * n, 6.0 * n + 8.0 * k)}
 
 
 def _osf(w: dict, cfg: dict) -> dict:
@@ -166,7 +189,8 @@ def _adalora(w: dict, cfg: dict) -> dict:
     return {"linears": ((k, r, True, True), (r, n, True, True))}
 
 
-RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "boft.Linear": _boft,
+RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "loha.Linear": _loha,
+                              "gralora.Linear": _gralora, "boft.Linear": _boft,
                               "randlora.Linear": _randlora, "osf.Linear": _osf,
                               "fourierft.FourierFTLinear": _fourierft, "waveft.WaveFTLinear": _waveft,
                               "c3a.C3ALinear": _c3a, "oft.Linear": _oft, "miss.MissLinear": _miss,
@@ -227,7 +251,7 @@ def layer_work(count: dict, model) -> dict:
     elementwise work (``lora_like``: (in, out, instances); ``dropout``: the config has one) and host ``ops``,
     from PEFT's count of the wrapped modules (memfit.methods.peft.count)."""
     layers, kind, cfg = model.layers, count.get("peft_type", ""), count["config"]
-    linears, gemms, nbytes, kf, kb, tf, tb, syncs = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    linears, gemms, nbytes, kf, kb, tf, tb, syncs, upload = [], [], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     ops = host_ops(kind) * sum(w["count"] for w in count["wrapped"]) / layers
     generic = [(float(w["in"]), float(w["out"]), w["count"] / layers) for w in count["wrapped"]
                if w.get("in") and w.get("out")]
@@ -247,6 +271,7 @@ def layer_work(count: dict, model) -> dict:
         fwd, bwd = got.get("token_bytes", (0.0, 0.0))
         tf, tb = tf + fwd * share, tb + bwd * share
         syncs += got.get("syncs", 0.0) * share
+        upload += got.get("upload_bytes", 0.0) * share
         ops += got.get("ops", 0.0) * share
     out: dict = {}
     if linears:
@@ -259,6 +284,8 @@ def layer_work(count: dict, model) -> dict:
         out["kernels"] = (kf, kb)
     if tf or tb:
         out["token_forward_bytes"], out["token_backward_bytes"] = tf, tb
+    if upload:
+        out["upload_bytes"] = upload
     if syncs:  # each at the host's time of one kernel launch, in module-level ops
         out["sync_ops"] = syncs / kernels_per_op()
     if generic:
