@@ -36,6 +36,21 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
     return float(model.layers * adapted * 2)
 
 
+def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p_t: float, n: int, g_comm: float,
+               w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float]:
+    """(seconds, bytes) over the host link per step: offload's gradients down and weights up (overlapped by
+    ``overlap_offload``), offloaded parameters per gather, and the method's blocking uploads (e.g. BOFT's
+    permutation every forward)."""
+    ga, pcie_b = st.grad_accum, 0.0
+    if st.offload != "none":
+        pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
+    if st.offload == "optimizer+params":
+        pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
+    seconds = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
+    uploads = 0.0 if cpu else ga * model.layers * method_uploads(model, st, adapted)  # waited for: not overlapped
+    return seconds + uploads / sp.h2d, pcie_b + uploads
+
+
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
               meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
@@ -57,7 +72,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
                              "fsdp" if fsdp else engine, tensors_t)
     else:  # adapted: empty unless LoRA-style (the registry)
         mb = micro_batch(model, sp, shape, e, method == "full", adapted, meft_rows, router, fp32_stream)
-    off_opt, off_par = st.offload != "none", st.offload == "optimizer+params"
+    off_opt = st.offload != "none"
     local = p_t / (n if shard_o else 1)
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
@@ -84,14 +99,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         unit = gather_bytes / (model.layers + 2)
         copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga, no_sync) / sp.gpu.bandwidth(unit)
     exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0) + copies_s, engine, p, cpu, model.layers)
-    pcie_b = 0.0
-    if off_opt:
-        pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
-    if off_par:
-        pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
-    offload_s = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
-    uploads = 0.0 if cpu else ga * model.layers * method_uploads(model, st, adapted)  # blocking: not overlapped
-    offload_s, pcie_b = offload_s + uploads / sp.h2d, pcie_b + uploads  # e.g. BOFT's permutation every forward
+    offload_s, pcie_b = _host_link(model, st, p, sp, adapted, p_t, n, g_comm, w_comm, gather_bytes, fsdp, cpu)
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
     if meft_traffic is not None:
