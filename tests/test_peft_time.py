@@ -250,3 +250,15 @@ def test_boft_upload_is_priced_on_the_host_link(setting):
     st = _strategy({"peft_type": "BOFT", "target_modules": ["q_proj"], "boft_block_size": 4})
     t = estimate(model, hw, st).time
     assert t["offload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2 / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)
+
+
+def test_loras_form_at_the_configs_rank(setting):
+    """VeRA, PVeRA, UniLoRA and DeLoRA run F.linear(F.linear(x, A), B) at the config's rank in fp32: VeRA's and
+    PVeRA's shared projections are frozen (no weight gradient; PVeRA's B takes the r / 2 mean half), UniLoRA's
+    and DeLoRA's A and B train."""
+    vera = _work(setting, {"peft_type": "VERA", "target_modules": ["v_proj"], "r": 256})
+    assert vera["delta_linears"] == ((3072.0, 256.0, 1.0, True, False), (256.0, 1024.0, 1.0, True, False))
+    pvera = _work(setting, {"peft_type": "PVERA", "target_modules": ["v_proj"], "r": 256})
+    assert pvera["delta_linears"] == ((3072.0, 256.0, 1.0, True, False), (128.0, 1024.0, 1.0, True, False))
+    delora = _work(setting, {"peft_type": "DELORA", "target_modules": ["v_proj"], "r": 32})
+    assert delora["delta_linears"] == ((3072.0, 32.0, 1.0, True, True), (32.0, 1024.0, 1.0, True, True))

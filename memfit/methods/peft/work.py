@@ -189,13 +189,26 @@ def _adalora(w: dict, cfg: dict) -> dict:
     return {"linears": ((k, r, True, True), (r, n, True, True))}
 
 
+def _rank_pair(trains: bool, second: float = 1.0) -> Callable:
+    """LoRA's form at the config's rank r in the adapter dtype, F.linear(F.linear(x, A), B): VeRA's and PVeRA's
+    frozen shared projections (vera/layer.py:285, pvera/layer.py:316-317: PVeRA's B takes the r / 2 mean half),
+    UniLoRA's A and B built from its trained vector (unilora/layer.py:250), DeLoRA's trained A and B
+    (delora/layer.py:249-259); ``second``: B's input width over r."""
+    def rule(w: dict, cfg: dict) -> dict:
+        k, n, r = float(w["in"]), float(w["out"]), float(cfg.get("r") or 1)
+        return {"linears": ((k, r, True, trains), (r * second, n, True, trains))}
+    return rule
+
+
 RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "loha.Linear": _loha,
                               "gralora.Linear": _gralora, "boft.Linear": _boft,
                               "randlora.Linear": _randlora, "osf.Linear": _osf,
                               "fourierft.FourierFTLinear": _fourierft, "waveft.WaveFTLinear": _waveft,
                               "c3a.C3ALinear": _c3a, "oft.Linear": _oft, "miss.MissLinear": _miss,
                               "psoft.Linear": _psoft, "lily.Linear": _lily, "vblora.Linear": _vblora,
-                              "adalora.SVDLinear": _adalora}
+                              "adalora.SVDLinear": _adalora, "vera.Linear": _rank_pair(False),
+                              "pvera.Linear": _rank_pair(False, 0.5), "unilora.Linear": _rank_pair(True),
+                              "delora.DeloraLinear": _rank_pair(True)}
 
 
 def _adaption_prompt(cfg: dict, model) -> dict:
