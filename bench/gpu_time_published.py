@@ -132,7 +132,7 @@ def predict(tc: TimedCase, profile=DEFAULT_PROFILE) -> dict:
             "parts_s": {k.removesuffix("_seconds"): t[k] for k in
                         ("matmul_seconds", "attention_seconds", "memory_bound_seconds", "dequant_seconds",
                          "dispatch_seconds", "optimizer_seconds", "comm_exposed_seconds", "offload_seconds",
-                         "cpu_optimizer_seconds") if t[k]}}
+                         "upload_seconds", "cpu_optimizer_seconds") if t[k]}}
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -249,7 +249,8 @@ def test_boft_upload_is_priced_on_the_host_link(setting):
     model, hw = setting
     st = _strategy({"peft_type": "BOFT", "target_modules": ["q_proj"], "boft_block_size": 4})
     t = estimate(model, hw, st).time
-    assert t["offload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2 / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)
+    assert t["upload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2 / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)
+    assert t["offload_seconds"] == 0.0
 
 
 def test_loras_form_at_the_configs_rank(setting):

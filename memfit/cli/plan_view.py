@@ -106,7 +106,8 @@ def summary_table(d: dict, hardware: Any) -> Table:
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
                  for k in ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds",
-                           "offload_seconds", "cpu_optimizer_seconds", "meft_seconds", "engine_seconds")
+                           "offload_seconds", "upload_seconds", "cpu_optimizer_seconds", "meft_seconds",
+                           "engine_seconds")
                  if time.get(k)]
         t.add_row("step time", f"{time['step_seconds']:.3f} s per optimizer step, "
                                f"{_rate(time.get('tokens_per_second', 0))} tokens/s  ({' + '.join(parts)})")

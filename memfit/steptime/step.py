@@ -37,10 +37,10 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
 
 
 def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p_t: float, n: int, g_comm: float,
-               w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float]:
-    """(seconds, bytes) over the host link per step: offload's gradients down and weights up (overlapped by
-    ``overlap_offload``), offloaded parameters per gather, and the method's blocking uploads (e.g. BOFT's
-    permutation every forward)."""
+               w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float, float]:
+    """(offload seconds, upload seconds, bytes) over the host link per step: offload's gradients down and
+    weights up (overlapped by ``overlap_offload``), offloaded parameters per gather, and the method's blocking
+    uploads (e.g. BOFT's permutation every forward)."""
     ga, pcie_b = st.grad_accum, 0.0
     if st.offload != "none":
         pcie_b += ga * p_t / n * g_comm + p_t / n * w_comm
@@ -48,13 +48,14 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
         pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     seconds = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
     uploads = 0.0 if cpu else ga * model.layers * method_uploads(model, st, adapted)  # waited for: not overlapped
-    return seconds + uploads / sp.h2d, pcie_b + uploads
+    return seconds, uploads / sp.h2d, pcie_b + uploads
 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
               adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
               meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
-              fsdp: bool = False, prompt_tokens: int = 0, grad_b: float = 4.0, adam_scale: float = 1.0) -> dict[str, Any]:
+              fsdp: bool = False, prompt_tokens: int = 0, grad_b: float = 4.0,
+              adam_scale: float = 1.0) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``. ``prompt_tokens``:
     virtual tokens a prompt-learning method puts in front of every sequence (PEFT's prompt tuning / P-tuning:
@@ -83,9 +84,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
             [lin.parameters / share for lin in model.linears] * model.layers
         optim_s += sp.first_touch * step_fresh_bytes(big, mmap_threshold(), 2.0 if prec == "bf16" else 4.0)
-    cpu_opt_s = 0.0
-    if off_opt:
-        cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param
+    cpu_opt_s = (p_t / n) * sp.cpu_adam_per_param if off_opt else 0.0
     parts = comm_parts(engine, 0.0, gather_bytes, p_t, g_comm, w_comm, ga, st.gradient_checkpointing, fsdp,
                        no_sync) if n > 1 else {}
     cbytes = sum(parts.values())
@@ -99,7 +98,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         unit = gather_bytes / (model.layers + 2)
         copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga, no_sync) / sp.gpu.bandwidth(unit)
     exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0) + copies_s, engine, p, cpu, model.layers)
-    offload_s, pcie_b = _host_link(model, st, p, sp, adapted, p_t, n, g_comm, w_comm, gather_bytes, fsdp, cpu)
+    offload_s, upload_s, pcie_b = _host_link(model, st, p, sp, adapted, p_t, n, g_comm, w_comm, gather_bytes, fsdp, cpu)
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
     if meft_traffic is not None:
@@ -116,7 +115,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + copies_s + optim_s + exposed + offload_s + cpu_opt_s + meft_s + trainer_s + engine_s
+    step = ga * mb["seconds"] + copies_s + optim_s + exposed + offload_s + upload_s + cpu_opt_s + meft_s + trainer_s \
+        + engine_s
     flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
@@ -125,8 +125,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
             "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
-            "offload_seconds": offload_s, "cpu_optimizer_seconds": cpu_opt_s, "meft_seconds": meft_s,
-            "engine_seconds": engine_s, "fsdp_copy_seconds": copies_s,
+            "offload_seconds": offload_s, "upload_seconds": upload_s, "cpu_optimizer_seconds": cpu_opt_s,
+            "meft_seconds": meft_s, "engine_seconds": engine_s, "fsdp_copy_seconds": copies_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
             "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
             "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}

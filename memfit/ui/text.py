@@ -39,7 +39,8 @@ def _time_lines(t: dict) -> list[str]:
 
     parts = [f"{t[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
              for k in ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds",
-                       "offload_seconds", "cpu_optimizer_seconds", "meft_seconds", "engine_seconds") if t.get(k)]
+                       "offload_seconds", "upload_seconds", "cpu_optimizer_seconds", "meft_seconds",
+                       "engine_seconds") if t.get(k)]
     lines = [f"**step time** {t['step_seconds']:.3f} s per optimizer step, {_rate(t.get('tokens_per_second'))} "
              f"tokens/s ({' + '.join(parts)})"]
     if t.get("basis"):
