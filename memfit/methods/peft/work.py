@@ -1,7 +1,8 @@
-"""The GEMMs each PEFT layer type runs beyond its base layer, per wrapped module, for the time model — read
-from the layer's ``forward`` at the pinned peft==0.21.2 (``peft/tuners/<method>/layer.py``, line numbers of that
-version), as :mod:`~memfit.methods.peft.saved` reads what they keep. A type without a rule adds no GEMM of its
-own here; every wrapped linear gets LoRA's elementwise and host work (``GENERIC_OPS``, below).
+"""The work each PEFT layer type does beyond its base layer, per wrapped module, for the time model — its GEMMs,
+bytes, host ops, syncs and uploads, read from the layer's ``forward`` at the pinned peft==0.21.2
+(``peft/tuners/<method>/layer.py``, line numbers of that version), as :mod:`~memfit.methods.peft.saved` reads
+what they keep. A type without a rule adds no GEMM of its own here; every wrapped linear gets LoRA's
+elementwise and host work (``GENERIC_OPS``, below). ``weight_bytes`` here are forward + backward.
 
 Each rule gives, for one wrapped module ``w`` (``in``/``out`` features, ``count`` instances, ``params``
 trained; ``cfg`` PEFT's config with its defaults filled in):
@@ -10,7 +11,7 @@ trained; ``cfg`` PEFT's config with its defaults filled in):
   linear (forward, input gradient, and the weight gradient when it trains);
 - ``weight_gemms``: ((m, n, k, forward count, backward count), ...): products of weight-sized matrices,
   whatever the tokens;
-- ``weight_bytes``: memory-bound bytes per forward whatever the tokens;
+- ``weight_bytes``: memory-bound bytes per forward + backward whatever the tokens;
 - ``kernels``: (forward, backward) small kernels whose cost is their launch, not their work (BOFT's per-block
   copies), each at the Profile's ``gemm_kernel_seconds``;
 - ``token_bytes``: (forward, backward) memory-bound bytes per token beyond LoRA's (e.g. C3A's FFTs of the input);
