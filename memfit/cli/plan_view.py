@@ -9,6 +9,7 @@ from rich import box
 from rich.table import Table
 
 from memfit.cli.output import console, err_console, print_json  # noqa: F401  (print_json re-exported)
+from memfit.steptime import STEP_PARTS
 
 def _gb(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
@@ -105,10 +106,7 @@ def summary_table(d: dict, hardware: Any) -> Table:
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
-                 for k in ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds",
-                           "offload_seconds", "upload_seconds", "cpu_optimizer_seconds", "meft_seconds",
-                           "engine_seconds")
-                 if time.get(k)]
+                 for k in STEP_PARTS if time.get(k)]
         t.add_row("step time", f"{time['step_seconds']:.3f} s per optimizer step, "
                                f"{_rate(time.get('tokens_per_second', 0))} tokens/s  ({' + '.join(parts)})")
         if time.get("basis"):

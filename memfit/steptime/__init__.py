@@ -5,3 +5,7 @@ collectives, ``loop`` the optimizer phase and the HF Trainer's own loop. What a 
 is counted once for every device in ``work``; the CPU's own mechanisms (first-touch page faults, glibc's
 thresholds, the CPU flash kernel's blocks) live in ``cpu`` and ``engine_host``, off every GPU estimate's
 path. ``accuracy`` reads the held-out error on published GPU runs."""
+
+# the parts of a step the CLI's and the page's step line name, in order (keys of the estimate's ``time``)
+STEP_PARTS = ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds", "offload_seconds",
+              "upload_seconds", "cpu_optimizer_seconds", "meft_seconds", "engine_seconds")

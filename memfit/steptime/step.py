@@ -22,7 +22,7 @@ from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
 from memfit.steptime.measured import micro_batch
 from memfit.steptime.micro import micro_batch as gpu_micro_batch
 from memfit.steptime.speeds import speeds_for
-from memfit.steptime.work import method_uploads
+from memfit.steptime.work import method_value
 
 
 def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
@@ -47,7 +47,7 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
     if st.offload == "optimizer+params":
         pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     seconds = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
-    uploads = 0.0 if cpu else ga * model.layers * method_uploads(model, st, adapted)  # waited for: not overlapped
+    uploads = 0.0 if cpu else ga * model.layers * method_value(model, st, adapted, "upload_bytes")  # waited for: not overlapped
     return seconds, uploads / sp.h2d, pcie_b + uploads
 
 

@@ -138,17 +138,12 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
                      compute)
 
 
-def method_syncs(model: ModelSpec, st, adapted: frozenset) -> float:
-    """Host synchronisations the method makes per layer and micro-batch, in module-level host ops
-    (``Method.extra_layer_work``'s ``sync_ops``, e.g. FourierFT's blocking upload of its indices every
-    forward): the device drains, then waits for the host's next launch."""
-    return float(extra_work(model, st, adapted).get("sync_ops", 0.0))
-
-
-def method_uploads(model: ModelSpec, st, adapted: frozenset) -> float:
-    """Bytes per layer and micro-batch the host converts and copies to the device, waiting for them
-    (``Method.extra_layer_work``'s ``upload_bytes``, e.g. BOFT's permutation kept on the CPU)."""
-    return float(extra_work(model, st, adapted).get("upload_bytes", 0.0))
+def method_value(model: ModelSpec, st, adapted: frozenset, key: str) -> float:
+    """One per-layer, per-micro-batch figure of ``Method.extra_layer_work`` (0 where the method has none):
+    ``sync_ops`` — host synchronisations in module-level host ops (e.g. FourierFT's blocking upload of its
+    indices every forward: the device drains, then waits for the host's next launch); ``upload_bytes`` —
+    bytes the host converts and copies to the device, waiting for them (e.g. BOFT's permutation on the CPU)."""
+    return float(extra_work(model, st, adapted).get(key, 0.0))
 
 
 def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:

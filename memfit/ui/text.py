@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 from typing import Any, Optional
 
+from memfit.steptime import STEP_PARTS
+
 
 def _gb(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
@@ -38,9 +40,7 @@ def _time_lines(t: dict) -> list[str]:
     from memfit.steptime.accuracy import describe_time
 
     parts = [f"{t[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
-             for k in ("compute_seconds", "optimizer_seconds", "trainer_seconds", "comm_exposed_seconds",
-                       "offload_seconds", "upload_seconds", "cpu_optimizer_seconds", "meft_seconds",
-                       "engine_seconds") if t.get(k)]
+             for k in STEP_PARTS if t.get(k)]
     lines = [f"**step time** {t['step_seconds']:.3f} s per optimizer step, {_rate(t.get('tokens_per_second'))} "
              f"tokens/s ({' + '.join(parts)})"]
     if t.get("basis"):

@@ -212,25 +212,23 @@ RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "loha.L
                               "delora.DeloraLinear": _rank_pair(True)}
 
 
-def _adaption_prompt(cfg: dict, model) -> dict:
-    """Per adapted layer (adaption_prompt/layer.py AdaptedAttention.forward:151-223, utils.py:72-93): after the
+def _adaption_prompt(cfg: dict, model) -> tuple[dict, float]:
+    """(the work, adapted layers): per adapted layer (adaption_prompt/layer.py AdaptedAttention.forward:151-223, utils.py:72-93): after the
     attention, q_proj again on the hidden states (and v_proj, unused: position_embeddings are passed), the
     prompt's keys and values (k_proj, v_proj on adapter_len positions), scores and output against them per
     head (fp32 softmax, the gate), o_proj on the result; all in the compute dtype (the prompt is not upcast).
     Bytes: ~34 h + 28 H L forward per token, 44 h + 40 H L backward; 24 + 30 kernels."""
     h, q, kv, heads, n = model.hidden, model.q_dim, model.kv_dim, model.heads, float(cfg["adapter_len"])
-    return {"linears": ((h, q, False, False), (h, kv / 2.0, False, False), (q, h, False, False),
+    work = {"linears": ((h, q, False, False), (h, kv / 2.0, False, False), (q, h, False, False),
                         (q, 2.0 * n, False, True)),
             "weight_gemms": ((n, kv, h, 2.0, 2.0),),
             "token_bytes": (34.0 * h + 28.0 * heads * n, 44.0 * h + 40.0 * heads * n),
             "ops": 54.0 / kernels_per_op()}
+    return work, float(min(model.layers, int(cfg.get("adapter_layers") or model.layers)))
 
 
-def _adaption_layers(cfg: dict, model) -> float:
-    return float(min(model.layers, int(cfg.get("adapter_layers") or model.layers)))
-
-
-TYPE_RULES: dict[str, tuple[Callable, Callable]] = {"ADAPTION_PROMPT": (_adaption_prompt, _adaption_layers)}
+# types that wrap no linear (adaption prompt's attention layers): (cfg, model) -> (work, adapted layers)
+TYPE_RULES: dict[str, Callable] = {"ADAPTION_PROMPT": _adaption_prompt}
 
 
 # Every wrapped linear, whatever its type: PEFT's tuner layers run the base layer, cast the input to the
@@ -269,14 +267,11 @@ def layer_work(count: dict, model) -> dict:
     ops = host_ops(kind) * sum(w["count"] for w in count["wrapped"]) / layers
     generic = [(float(w["in"]), float(w["out"]), w["count"] / layers) for w in count["wrapped"]
                if w.get("in") and w.get("out")]
-    items = [(w, RULES.get(w["type"]), w["count"] / layers) for w in count["wrapped"]]  # share: per layer
-    if kind in TYPE_RULES:  # a type that wraps no linear (adaption prompt's attention layers)
-        whole, adapted = TYPE_RULES[kind]
-        items.append(({}, lambda _w, c: whole(c, model), adapted(cfg, model) / layers))
-    for w, rule, share in items:
-        if rule is None:
-            continue
-        got = rule(w, cfg)
+    done = [(RULES[w["type"]](w, cfg), w["count"] / layers) for w in count["wrapped"] if w["type"] in RULES]
+    if kind in TYPE_RULES:
+        got, adapted = TYPE_RULES[kind](cfg, model)
+        done.append((got, adapted / layers))
+    for got, share in done:  # share: instances per decoder layer
         linears += [(k, n, share, adapter_dtype, trains) for k, n, adapter_dtype, trains in got.get("linears", ())]
         gemms += [(*g, share) for g in got.get("weight_gemms", ())]
         nbytes += got.get("weight_bytes", 0.0) * share
