@@ -3,13 +3,13 @@
 import pytest
 
 from memfit.errors import MemfitError
-from memfit.spec.hardware import CATALOG, GiB, parse_hardware, parse_size
+from memfit.spec.hardware import CATALOG, GiB, find_gpu, parse_hardware, parse_size
 
 
 def test_pool_strings():
     hw = parse_hardware("8xV100-32GB")
     assert (hw.gpus_per_node, hw.nodes, hw.world_size) == (8, 1, 8)
-    assert hw.gpu.memory_bytes == 32 * GiB and not hw.gpu.bf16 and not hw.gpu.fa2
+    assert hw.gpu.memory_bytes == int(31.74 * GiB) and not hw.gpu.bf16  # CUDA's total, not 32 GiB and not hw.gpu.fa2
     hw = parse_hardware("2x8xV100-32GB")
     assert (hw.nodes, hw.gpus_per_node, hw.world_size) == (2, 8, 16)
     hw = parse_hardware("V100-32GB")
@@ -23,7 +23,7 @@ def test_cpu_ram():
     hw = parse_hardware("2xRTX3090-24GB", cpu_ram="128GB")
     assert hw.cpu_ram_bytes == 128 * 10**9 and hw.cpu_ram_given
     # default: 2x the node's GPU memory, at least 64 GiB
-    assert parse_hardware("8xV100-32GB").cpu_ram_bytes == 512 * GiB
+    assert parse_hardware("8xV100-32GB").cpu_ram_bytes == 2 * 8 * int(31.74 * GiB)  # 2x the GPUs' memory
     assert parse_hardware("T4-16GB").cpu_ram_bytes == 64 * GiB
 
 
@@ -66,10 +66,10 @@ def test_parse_size_errors(text):
 
 def test_local_uses_nvidia_smi_and_visible_devices(monkeypatch):
     from memfit.spec import hardware as H
-    monkeypatch.setattr(H, "_nvidia_smi", lambda: [("NVIDIA A100-SXM4-80GB", 81920 << 20)] * 4)
+    monkeypatch.setattr(H, "_nvidia_smi", lambda: [("NVIDIA A100-SXM4-80GB", 81050 << 20)] * 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
     hw = H.parse_hardware("local")
-    assert hw.gpus_per_node == 2 and hw.gpu.name == "A100-80GB" and hw.gpu.memory_bytes == 80 * GiB
+    assert hw.gpus_per_node == 2 and hw.gpu.name == "A100-80GB" and hw.gpu.memory_bytes == 81050 << 20
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert H.parse_hardware("local").gpu.is_cpu
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -123,3 +123,36 @@ def test_a_slow_link_slows_fsdp_not_ddp_compute():
     assert slow.time["comm_seconds"] * 8e9 * 0.31 == pytest.approx(4.0e9, rel=0.05)
     assert slow.time["compute_seconds"] == pytest.approx(fast.time["compute_seconds"])
     assert slow.step_seconds > fast.step_seconds + 0.8
+
+
+def test_catalog_memory_is_what_cuda_reports():
+    """The verdict's card is cudaMemGetInfo's total (an OOM message's "total capacity"), not the marketing size:
+    an A100-80GB holds 79.15 GiB = 84.99 GB for a process, an L40S with ECC 44.42 GiB, the H200 measured here
+    150,109,880,320 B."""
+    assert find_gpu("A100-80GB").memory_bytes == int(79.15 * GiB) == 84_986_665_369
+    assert round(find_gpu("L40S-48GB").memory_bytes / 1e9, 2) == 47.70
+    assert abs(find_gpu("H200-141GB").memory_bytes - 150_109_880_320) < 0.01 * GiB
+
+
+def test_nvidia_smi_less_what_the_driver_keeps(monkeypatch):
+    """memory.total less memory.reserved (H100: 81559 - 559 MiB); a driver without the field: the total."""
+    import subprocess
+
+    from memfit.spec import hardware as H
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[1])
+        if "memory.reserved" in cmd[1] and old[0]:  # an old driver: "not a valid field to query"
+            raise subprocess.CalledProcessError(6, cmd)
+        out = "NVIDIA H100 80GB HBM3, 81559, 559\n" if "memory.reserved" in cmd[1] else "NVIDIA H100 80GB HBM3, 81559\n"
+        return subprocess.CompletedProcess(cmd, 0, stdout=out)
+
+    monkeypatch.setattr(H.shutil, "which", lambda exe: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(H.subprocess, "run", fake_run)
+    old = [False]
+    assert H._nvidia_smi() == [("NVIDIA H100 80GB HBM3", 81000 << 20)]
+    old[0], calls[:] = True, []
+    assert H._nvidia_smi() == [("NVIDIA H100 80GB HBM3", 81559 << 20)]
+    assert calls == ["--query-gpu=name,memory.total,memory.reserved", "--query-gpu=name,memory.total"]

@@ -1,8 +1,10 @@
 """GPU catalog and hardware pools: ``8xV100-32GB``, ``2x8xA100-80GB``, ``RTX4090-24GB``, ``local``.
 
-Plain Python (no torch). Units: bytes and bytes/s (decimal), FLOP/s. A catalog GPU's memory is its
-marketing size read as GiB (``V100-32GB`` → 32 GiB = 34.36e9 B), which is what the driver reports
-within ~1 % for these parts. Bandwidths are one direction, as a collective sees them.
+Plain Python (no torch). Units: bytes and bytes/s (decimal), FLOP/s. A catalog GPU's memory is what CUDA
+lets a process use: ``cudaMemGetInfo``'s total (``torch.cuda.get_device_properties().total_memory``, the
+"total capacity" of an out-of-memory message), not the marketing size: the driver keeps 0.3-1.3 GiB, and ECC
+on a GDDR6 part takes ~1/16 (an L40S's 48 GB reads 44.4 GiB) — ``CUDA_TOTAL_GIB`` cites each figure.
+Bandwidths are one direction, as a collective sees them.
 ``peak_flops`` is the dense 16-bit tensor-core rate (bf16, or fp16 on parts without bf16) from the
 vendor data sheets; ``fp32_flops`` the plain fp32 (non-tensor) rate.
 """
@@ -36,31 +38,54 @@ class GpuSpec:
     pcie_link: str = ""  # the host link the user stated ('pcie3x8', pool suffix '@pcie3x8'); '' = the catalog's
 
 
-def _gpu(name, gib, bf16, fa2, tflops, fp32_tflops, intra_gbs, pcie_gbs) -> GpuSpec:
-    return GpuSpec(name, int(gib * GiB), bf16, fa2, tflops * 1e12, fp32_tflops * 1e12, intra_gbs * GB, pcie_gbs * GB)
+# CUDA's total per catalog part, GiB: the "total capacity" of PyTorch out-of-memory messages whose thread names the
+# card (the lowest figure cited: newer drivers keep more, e.g. RTX 4090 23.68 -> 23.52), or measured here.
+CUDA_TOTAL_GIB: dict[str, tuple[float, str]] = {
+    "V100-16GB": (15.78, "kchengiva/Shift-GCN#34"),
+    "V100-32GB": (31.74, "liucongg/ChatGLM-Finetuning#73, haotian-liu/LLaVA#812"),
+    "T4-16GB": (14.56, "Zheng-Chong/CatVTON#133 (ECC on; 14.75 on older Colab drivers, hpcaitech/Open-Sora#697)"),
+    "A10G-24GB": (22.49, "AUTOMATIC1111/stable-diffusion-webui#1259 (ECC on; nvidia-smi 23028 MiB)"),
+    "L4-24GB": (22.49, "nvidia-smi 23034 MiB (modal-labs/modal-client#2797); no PyTorch figure found"),
+    "A100-40GB": (39.50, "TianheWu/CoSeR#10 (39.59: raoyongming/DenseCLIP#52)"),
+    "A100-80GB": (79.15, "vllm-project/vllm#4408 (79.25: wbfwonderful/Vad-R1#11)"),
+    "H100-80GB": (79.10, "vllm-project/vllm#27508, huggingface/trl#2688 (nvidia-smi 81559 MiB)"),
+    "H100-PCIe-80GB": (79.10, "as the SXM part (same 80 GB HBM); no PCIe figure found"),
+    "H200-141GB": (139.80, "measured: bench/results/gpu_check_h200_2026-11-30.json total_memory 150109880320 B"),
+    "RTX3090-24GB": (23.69, "vllm-project/vllm#2140, GaoLii/DSP#10"),
+    "RTX4090-24GB": (23.52, "Soul-AILab/SoulX-FlashTalk#5 (23.64-23.68 on older drivers: zai-org/CogVideo#36)"),
+    "A5000-24GB": (23.67, "Magicboomliu/Accelerator-Simple-Template#7"),
+    "A6000-48GB": (47.54, "google-research/semivl#18 (ECC off, the default on this part)"),
+    "L40S-48GB": (44.42, "stepfun-ai/Step-Video-T2V#8 (ECC on; 44.53: Wan-Video/Wan2.1#205)"),
+    "RTX6000Ada-48GB": (44.43, "DINGYANB/MTVCrafter#21 (ECC on; nvidia-smi 46068 MiB)"),
+}
 
 
-# name: memory(GiB), bf16, FlashAttention-2, dense 16-bit TFLOP/s, fp32 TFLOP/s, intra-node GB/s, PCIe GB/s
+def _gpu(name, bf16, fa2, tflops, fp32_tflops, intra_gbs, pcie_gbs) -> GpuSpec:
+    return GpuSpec(name, int(CUDA_TOTAL_GIB[name][0] * GiB), bf16, fa2, tflops * 1e12, fp32_tflops * 1e12,
+                   intra_gbs * GB, pcie_gbs * GB)
+
+
+# name (memory: CUDA_TOTAL_GIB), bf16, FlashAttention-2, dense 16-bit TFLOP/s, fp32 TFLOP/s, intra-node GB/s, PCIe GB/s
 # Sources: NVIDIA data sheets (dense, i.e. without the 2:4 sparsity factor); NVLink per direction:
 # V100 SXM2 150, A100 SXM 300, H100/H200 SXM 450; boards without NVLink use PCIe (gen3 16, gen4 32,
 # gen5 64 GB/s theoretical). FA2 needs Ampere or newer (sm80+); bf16 needs Ampere or newer.
 CATALOG: dict[str, GpuSpec] = {g.name: g for g in (
-    _gpu("V100-16GB", 16, False, False, 125, 15.7, 150, 16),
-    _gpu("V100-32GB", 32, False, False, 125, 15.7, 150, 16),
-    _gpu("T4-16GB", 16, False, False, 65, 8.1, 16, 16),
-    _gpu("A10G-24GB", 24, True, True, 70, 31.2, 32, 32),
-    _gpu("L4-24GB", 24, True, True, 121, 30.3, 32, 32),
-    _gpu("A100-40GB", 40, True, True, 312, 19.5, 300, 32),
-    _gpu("A100-80GB", 80, True, True, 312, 19.5, 300, 32),
-    _gpu("H100-80GB", 80, True, True, 989, 67, 450, 64),
-    _gpu("H100-PCIe-80GB", 80, True, True, 756, 51, 64, 64),
-    _gpu("H200-141GB", 141, True, True, 989, 67, 450, 64),
-    _gpu("RTX3090-24GB", 24, True, True, 71, 35.6, 32, 32),
-    _gpu("RTX4090-24GB", 24, True, True, 165, 82.6, 32, 32),
-    _gpu("A5000-24GB", 24, True, True, 111, 27.8, 32, 32),
-    _gpu("A6000-48GB", 48, True, True, 155, 38.7, 32, 32),
-    _gpu("L40S-48GB", 48, True, True, 362, 91.6, 32, 32),
-    _gpu("RTX6000Ada-48GB", 48, True, True, 364, 91.1, 32, 32),  # RTX 6000 Ada data sheet (FP8 1457 sparse), PCIe
+    _gpu("V100-16GB", False, False, 125, 15.7, 150, 16),
+    _gpu("V100-32GB", False, False, 125, 15.7, 150, 16),
+    _gpu("T4-16GB", False, False, 65, 8.1, 16, 16),
+    _gpu("A10G-24GB", True, True, 70, 31.2, 32, 32),
+    _gpu("L4-24GB", True, True, 121, 30.3, 32, 32),
+    _gpu("A100-40GB", True, True, 312, 19.5, 300, 32),
+    _gpu("A100-80GB", True, True, 312, 19.5, 300, 32),
+    _gpu("H100-80GB", True, True, 989, 67, 450, 64),
+    _gpu("H100-PCIe-80GB", True, True, 756, 51, 64, 64),
+    _gpu("H200-141GB", True, True, 989, 67, 450, 64),
+    _gpu("RTX3090-24GB", True, True, 71, 35.6, 32, 32),
+    _gpu("RTX4090-24GB", True, True, 165, 82.6, 32, 32),
+    _gpu("A5000-24GB", True, True, 111, 27.8, 32, 32),
+    _gpu("A6000-48GB", True, True, 155, 38.7, 32, 32),
+    _gpu("L40S-48GB", True, True, 362, 91.6, 32, 32),
+    _gpu("RTX6000Ada-48GB", True, True, 364, 91.1, 32, 32),  # RTX 6000 Ada data sheet (FP8 1457 sparse), PCIe
 )}
 
 DEFAULT_INTER_NODE_BANDWIDTH = 12.5 * GB  # 100 Gb/s InfiniBand / RoCE per node, one direction
@@ -198,21 +223,26 @@ def cpu_device() -> GpuSpec:
 
 
 def _nvidia_smi() -> list[tuple[str, int]]:
+    """(name, bytes CUDA can use) per device: ``memory.total`` less ``memory.reserved`` (what the driver and
+    firmware keep, ~0.5 GiB on an H100: 81559 MiB total, 79.1 GiB to CUDA); drivers without that field
+    (before R510) report the total alone."""
     exe = shutil.which("nvidia-smi")
     if not exe:
         return []
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
+    out = None
+    for query in ("name,memory.total,memory.reserved", "name,memory.total"):
+        try:
+            out = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
     rows = []
-    for line in out.strip().splitlines():
+    for line in (out or "").strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[1].isdigit():
-            rows.append((parts[0], int(parts[1]) * (1 << 20)))
+        if len(parts) >= 2 and parts[1].isdigit():
+            kept = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
+            rows.append((parts[0], (int(parts[1]) - kept) * (1 << 20)))
     return rows
 
 

@@ -72,7 +72,9 @@ def memory_bars(plan: Any, most: int = 4) -> Any:
         total = float(est.gpu_total)
         note = f"total {total / 1e9:.2f} GB of {capacity / 1e9:.2f} GB (usable {usable / 1e9:.2f})"
         # listed top of the bar first: the page's stacked bars draw the first series on top
-        rows.append({"plan": name, "component": MARGIN, "GB": (capacity - usable) / 1e9, "note": note})
+        # the cache the allocator frees on demand may reach into the margin (the verdict holds less than the total)
+        rows.append({"plan": name, "component": MARGIN, "GB": max(capacity - max(usable, total), 0.0) / 1e9,
+                     "note": note})
         rows.append({"plan": name, "component": FREE, "GB": max(usable - total, 0.0) / 1e9, "note": note})
         for component, value in reversed(_segments(est)):
             component = component if component in COLORS else OTHER
