@@ -2,20 +2,18 @@
 
     memfit launch RUN --nodes 2 --node-rank R --nproc 1 --master-addr 127.0.0.1 --master-port P --single-host
 
-ZeRO-3 and FSDP2 on CPU/gloo, 2 nodes x 1 process, against the 2-process single-node run of the same
+ZeRO-3 and FSDP2 on CPU/gloo, 2 nodes x 1 process, against one process at micro-batch 2 on the same
 run file: the same losses, the ranks in the summary, and a checkpoint at step 2 that ``--resume``
 continues to step 3 with the uninterrupted losses, in one folder per node (ZeRO-3: node-local disks)
 and in one shared output folder (FSDP).
 """
 
 import json
-import subprocess
 
 import pytest
 import yaml
 
-from fault_helper import TIMEOUT, cause_lines, clean_env, launch_nodes, losses
-from memfit.distributed.launch import torchrun_command
+from fault_helper import cause_lines, launch_nodes, losses
 
 
 ENGINES = {"z3": ["strategy.zero_stage=3"], "fsdp": ["strategy.fsdp=full_shard"]}
@@ -41,21 +39,16 @@ def test_loopback_needs_single_host(tmp_path):
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, tiny_model_dir):
-    from conftest import lora_dialogue_run
+    from conftest import lora_dialogue_run, reference_losses
 
     root = tmp_path_factory.mktemp("multinode")
     base = {**lora_dialogue_run(root, tiny_model_dir, "multinode", records=32, seq_len=128, max_steps=STEPS,
                                 logging_interval=1), "output_dir": str(root / "ref")}
     run_file = root / "run.yaml"
     run_file.write_text(yaml.safe_dump(base))
-    # the reference: one node, 2 processes, each engine for STEPS steps (one launch for both)
-    cases = root / "cases.json"
-    cases.write_text(json.dumps([{"name": k, "set": ["method=lora", *v]} for k, v in ENGINES.items()]))
-    ref = subprocess.run(torchrun_command("memfit.measure.engine_matrix", [run_file, cases, root / "ref.json"],
-                                          nproc=2), cwd=root, env=clean_env(), capture_output=True, text=True,
-                         timeout=TIMEOUT)
-    _ok([ref])
-    results = {"ref": json.loads((root / "ref.json").read_text())["cases"], "root": root}
+    # the reference: one process at micro-batch 2 (the same global batches; tests/test_distributed_train.py
+    # checks that ZeRO-3 and FSDP on 2 ranks give one process's losses)
+    results = {"ref": reference_losses(run_file, ["method=lora", "strategy.micro_batch_size=2"]), "root": root}
     for key, sets in ENGINES.items():
         # ZeRO-3: a folder per node (node-local disks); FSDP: one output folder both nodes write (a shared
         # file system). 2 steps with a checkpoint at 2, then --resume to step 3.
@@ -71,14 +64,13 @@ def nodes(tmp_path_factory, tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_two_nodes_match_one_node_and_resume(nodes, engine):
-    ref = nodes["ref"][engine]
     out = nodes[engine]["out"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["resumed_from"].endswith("checkpoint-2")
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == STEPS  # steps 1-2 from the first job, 3 after --resume (trimmed, not repeated)
-    assert losses == pytest.approx(ref["losses"], rel=1e-4, abs=1e-4)
+    assert losses == pytest.approx(nodes["ref"], rel=1e-4, abs=1e-4)
     assert (out / "checkpoint-2").is_dir() and (out / "adapter").is_dir()
     node1 = nodes[engine]["node1"]  # node 1's own folder (ZeRO-3) holds a complete checkpoint of its own
     assert (node1 / "checkpoint-2" / "trainer_state.json").is_file() and not (node1 / ".staging").exists()
@@ -124,4 +116,4 @@ def test_a_rank_killed_on_node_1_ends_both_nodes_and_resume_gives_the_same_loss(
     _ok(resumed)
     after = losses(root / "killed")
     assert sorted(after) == [1, 2, 3]
-    assert [after[s] for s in (1, 2, 3)] == pytest.approx(nodes["ref"]["z3"]["losses"], rel=1e-4, abs=1e-4)
+    assert [after[s] for s in (1, 2, 3)] == pytest.approx(nodes["ref"], rel=1e-4, abs=1e-4)
