@@ -54,7 +54,7 @@ CUDA_TOTAL_GIB: dict[str, tuple[float, str]] = {
     "RTX3090-24GB": (23.69, "vllm-project/vllm#2140, GaoLii/DSP#10"),
     "RTX4090-24GB": (23.52, "Soul-AILab/SoulX-FlashTalk#5 (23.64-23.68 on older drivers: zai-org/CogVideo#36)"),
     "A5000-24GB": (23.67, "Magicboomliu/Accelerator-Simple-Template#7"),
-    "A6000-48GB": (47.54, "google-research/semivl#18 (ECC off, the default on this part)"),
+    "A6000-48GB": (47.54, "google-research/semivl#18 (ECC off)"),
     "L40S-48GB": (44.42, "stepfun-ai/Step-Video-T2V#8 (ECC on; 44.53: Wan-Video/Wan2.1#205)"),
     "RTX6000Ada-48GB": (44.43, "DINGYANB/MTVCrafter#21 (ECC on; nvidia-smi 46068 MiB)"),
 }
@@ -224,8 +224,8 @@ def cpu_device() -> GpuSpec:
 
 def _nvidia_smi() -> list[tuple[str, int]]:
     """(name, bytes CUDA can use) per device: ``memory.total`` less ``memory.reserved`` (what the driver and
-    firmware keep, ~0.5 GiB on an H100: 81559 MiB total, 79.1 GiB to CUDA); drivers without that field
-    (before R510) report the total alone."""
+    firmware keep, ~0.5 GiB on an H100: 81559 MiB total, 79.1 GiB to CUDA); an older driver without that
+    field reports the total alone."""
     exe = shutil.which("nvidia-smi")
     if not exe:
         return []
