@@ -12,6 +12,7 @@ torch/transformers are imported inside the fixtures, so collecting the planner's
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -104,8 +105,6 @@ def reference_losses(run_file, sets: list, name: str = "ref") -> list:
     """The losses of ``run_file`` with ``sets`` trained in this process on one rank (the multi-process tests'
     reference: micro-batch 2 here sees the global batches micro-batch 1 on each of two ranks sees). In-process,
     it spares a Python start and the libraries' ~10 s import; the ranks under test still run as users run them."""
-    from pathlib import Path
-
     from memfit.measure.engine_matrix import run_case
 
     return run_case(Path(run_file), {"name": name, "set": sets}, world=1)["losses"]
