@@ -41,6 +41,8 @@ from memfit.spec.model import resolve_model  # noqa: E402
 sys.path.insert(0, str(HERE))
 from gpu_published_rows import (DEFAULT_FILE, GPUS, MODELS, UNSUPPORTED, Case, Skip, _bytes, _engine,  # noqa: E402,F401
                                 _hardware, _method, _metric, _precision, convert, load, load_gpu_check)
+import noise  # noqa: E402
+import provenance  # noqa: E402
 
 # the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
 ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"
@@ -109,7 +111,7 @@ def peft_type(case) -> str | None:
     return json.loads(case.strategy.peft_config)["peft_type"] if case.strategy.method == "peft" else None
 
 
-def by_peft_method(cases: list[Case], results: list[dict], in_sample: list[dict]) -> dict:
+def by_peft_method(cases: list[Case], results: list[dict], in_sample: list[dict], record: dict) -> dict:
     """Per PEFT method (method=peft rows): the held-out signed error range, median |error|, the figures more
     than 10 % under, and the in-sample range beside it."""
     out: dict = {}
@@ -119,6 +121,7 @@ def by_peft_method(cases: list[Case], results: list[dict], in_sample: list[dict]
             out.setdefault(kind, []).append(i)
     return {k: {**_range([results[i]["error"] for i in idx]),
                 "under_10": sum(results[i]["error"] < -0.10 for i in idx),
+                "basis": provenance.basis("memory", {cases[i].group for i in idx}, record)["basis"],
                 "in_sample": _range([in_sample[i]["error"] for i in idx])} for k, idx in sorted(out.items())}
 
 
@@ -176,10 +179,12 @@ def _range(errs: list[float]) -> dict:
             "median_abs_pct": round(100 * statistics.median(abs(x) for x in errs), 1)}
 
 
-def by_kind(cases: list[Case], results: list[dict], in_sample: list[dict] | None = None) -> dict:
+def by_kind(cases: list[Case], results: list[dict], in_sample: list[dict] | None = None,
+            record: dict | None = None) -> dict:
     """Signed error range per kind of run (memfit.estimate.accuracy.run_kind: method x engine family x one
-    or several GPUs) over every compared figure of ``results``, the wrong fit verdicts among its runs, and
-    (``in_sample`` given) the same range from those predictions."""
+    or several GPUs) over every compared figure of ``results``, the wrong fit verdicts among its runs,
+    (``record`` given) its label from bench/provenance.json, and (``in_sample`` given) the same range from
+    those predictions."""
     from memfit.estimate.accuracy import run_kind
 
     groups: dict = {}
@@ -199,8 +204,10 @@ def by_kind(cases: list[Case], results: list[dict], in_sample: list[dict] | None
                  "oom_called_fitting": len(summary["oom_called_fitting"]),
                  "ran_called_not_fitting": len(summary["ran_called_not_fitting"]),
                  "verdicts": len({cases[i].id.split("#")[0] for i in idx if cases[i].status in ("oom", "success")})}
+        if record is not None:
+            entry.update(provenance.basis("memory", entry["groups"], record))
         if in_sample is not None:
-            entry["in_sample"] = _range([in_sample[i]["error"] for i in compared])
+            entry["in_sample"] = {**_range([in_sample[i]["error"] for i in compared]), "basis": "in_sample"}
         out[kind] = entry
     return out
 
@@ -213,7 +220,7 @@ def default_checks(path: Path) -> list[Path]:
 
 
 def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cases: list[Case] | None = None,
-             held: tuple | None = None) -> dict:
+             held: tuple | None = None, record: dict | None = None) -> dict:
     """What ``memfit/estimate/published_accuracy.json`` holds (without its date): per kind of run, the
     leave-one-group-out error range (held out), the in-sample range at the Profile's defaults, and the
     wrong fit verdicts of the held-out predictions."""
@@ -222,13 +229,17 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
         cases = load(path)[0] + [c for p in checks for c in load_gpu_check(Path(p))]
     results, fitted, (all_fit, _) = held if held is not None else held_out(cases)
     in_sample = [predict(c) for c in cases]
-    kinds = by_kind(cases, results, in_sample)
+    record = provenance.load() if record is None else record
+    kinds = by_kind(cases, results, in_sample, record)
     return {"source": "bench/gpu_published.py",
             "command": "PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy",
             "files": [Path(path).name, *(Path(p).name for p in checks)],
-            "held_out": True,
-            "basis": "leave-one-group-out: " + ", ".join(FITTED) + " refitted without the row's source group; "
-                     "in_sample: the Profile's defaults, fitted on every group",
+            "procedure": "leave-one-group-out: " + ", ".join(FITTED) + " refitted without the row's source group; "
+                         "in_sample: the Profile's defaults, fitted on every group",
+            "labels": "basis per kind from bench/provenance.json: held_out only for groups no constant, rule, "
+                      "mapping or row choice was decided after seeing; else development",
+            **provenance.basis("memory", {c.group for c in cases}, record),
+            "noise_floor": noise_floor(cases),
             "rows": sum(v["rows"] for v in kinds.values()),  # runs with a compared figure
             "figures": sum(v["figures"] for v in kinds.values()),
             "groups": sorted({c.group for c in cases}),
@@ -236,7 +247,13 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
             "fitted_all_groups": all_fit, "profile": {n: getattr(DEFAULT_PROFILE, n) for n in FITTED},
             "fitted_per_group_left_out": fitted,
             "kinds": kinds,
-            "peft_methods": by_peft_method(cases, results, in_sample)}
+            "peft_methods": by_peft_method(cases, results, in_sample, record)}
+
+
+def noise_floor(cases: list[Case]) -> dict:
+    """The spread of one configuration measured more than once in the published rows (bench/noise.py)."""
+    return noise.floor((noise.config_key(c.model, c.hardware, c.strategy, c.metric), c.measured) for c in cases
+                       if c.status == "success" and c.measured is not None and c.metric != "capacity")
 
 
 def _first_difference(a, b, where: str = "") -> str | None:
@@ -314,7 +331,7 @@ def main(argv=None) -> int:
     kinds = by_kind(cases, results) if held is None else accuracy(args.file, checks, cases=cases, held=held)["kinds"]
     if args.write_accuracy:
         data = accuracy(args.file, checks, cases=cases, held=held)
-        data = {**{k: data[k] for k in ("source", "command", "files", "held_out")},
+        data = {**{k: data[k] for k in ("source", "command", "files")},
                 "date": datetime.date.today().isoformat(), **data}
         args.write_accuracy.write_text(json.dumps(data, indent=1) + "\n")
     if args.json:

@@ -36,6 +36,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import gpu_time_published as gtp  # noqa: E402
+import noise  # noqa: E402
+import provenance  # noqa: E402
 import public_time  # noqa: E402
 from public_time_rows import DEFAULT_FILE, TimeCase, load  # noqa: E402
 from time_grid import kendall_tau  # noqa: E402
@@ -152,15 +154,25 @@ def held_out(cases: list[TimeCase]) -> tuple[list[float], dict]:
     return [preds[c.id] for c in cases], fits
 
 
-def kinds(cases: list[TimeCase], preds: list[float]) -> dict:
-    """Held-out error ranges per kind of run (method x engine family x offload, as the memory bars)."""
+def kinds(cases: list[TimeCase], preds: list[float], record: dict) -> dict:
+    """Leave-one-group-out error ranges per kind of run (method x engine family x offload, as the memory bars),
+    each with its basis from bench/provenance.json and the hand-set constants it rests on."""
     out: dict[str, list[float]] = {}
+    groups: dict[str, set] = {}
     for c, p in zip(cases, preds):
         s = c.strategy
         kind = run_kind(s.method, s.zero_stage, s.fsdp, s.offload, c.hardware.world_size)
         out.setdefault(kind, []).append(100.0 * (p / c.published_tps_per_gpu - 1.0))
+        groups.setdefault(kind, set()).add(c.group)
     return {k: {"rows": len(v), "min_pct": round(min(v), 1), "max_pct": round(max(v), 1),
-                "median_abs_pct": round(statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
+                "median_abs_pct": round(statistics.median(abs(x) for x in v), 1), "groups": sorted(groups[k]),
+                **provenance.basis("time", groups[k], record)} for k, v in sorted(out.items())}
+
+
+def noise_floor(cases: list[TimeCase]) -> dict:
+    """Published tokens/s of one configuration measured more than once (other days or versions): their spread."""
+    return noise.floor((noise.config_key(c.model_group, c.hardware, c.strategy), c.published_tps_per_gpu)
+                       for c in cases)
 
 
 def peft_methods(cases: list[TimeCase], preds: list[float]) -> dict:
@@ -173,18 +185,23 @@ def peft_methods(cases: list[TimeCase], preds: list[float]) -> dict:
                 "median_abs_pct": round(statistics.median(abs(x) for x in v), 1)} for k, v in sorted(out.items())}
 
 
-def accuracy(cases: list[TimeCase]) -> dict:
-    """What published_time_accuracy.json holds: the held-out ranges per kind (method=peft's included), the
-    overall figures of the named methods' rows, the PEFT methods one by one, and the fit."""
+def accuracy(cases: list[TimeCase], record: dict | None = None) -> dict:
+    """What published_time_accuracy.json holds: the leave-one-group-out ranges per kind (method=peft's
+    included) with their basis, the overall figures of the named methods' rows, the PEFT methods one by one,
+    the noise floor of repeated configurations, and the fit."""
+    record = provenance.load() if record is None else record
     jud = judged(cases)
     preds, fits = held_out(jud)
     five = [i for i, c in enumerate(jud) if c.strategy.method != "peft"]
     overall = by_group([jud[i] for i in five], [preds[i] for i in five])["all"]
-    return {"held_out": True, "basis": "leave-one-group-out over published GPU throughputs (bench/gpu_time_fit.py)",
+    return {"procedure": "leave-one-group-out over published GPU throughputs (bench/gpu_time_fit.py): "
+                         + ", ".join(FITTED) + " refitted without the row's source group",
             "rows": len(five), "groups": sorted({c.group for c in jud}),
             "median_abs_pct": round(100 * overall["median_abs"], 1), "max_abs_pct": round(100 * overall["max_abs"], 1),
+            **provenance.basis("time", {jud[i].group for i in five}, record),
+            "noise_floor": noise_floor(jud),
             "overall_is": "the named methods' rows (full, LoRA, QLoRA, DoRA); method=peft rows are scored apart",
-            "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds),
+            "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds, record),
             "peft_methods": peft_methods(jud, preds), "command": "python bench/gpu_time_fit.py --write"}
 
 

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,8 @@ def test_estimate_json_carries_the_time_error_bar():
 
     t = estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(method="lora")).to_dict()["time"]
     err = t["published_error"]
-    assert err["held_out"] is True and err["kind"] == "lora, 1 GPU" and err["rows"] >= 10
+    assert err["basis"] == "development" and err["kind"] == "lora, 1 GPU" and err["rows"] >= 10
+    assert "PEFT_PADDING 1.05" in err["hand_set"] and err["overall"]["basis"] == "development"
     assert err["min_pct"] < 0 < err["max_pct"]
 
 
@@ -65,7 +67,10 @@ def test_peft_rows_are_scored_never_fitted():
     cases = F.judged(F.all_rows())
     peft = [c for c in cases if c.strategy.method == "peft"]
     assert len(peft) >= 100 and {F.gtp.gp.peft_type(c) for c in peft} >= {"IA3", "PROMPT_TUNING", "BOFT", "VERA"}
-    assert F.fit(cases) == F.fit(F.named(cases))
+    # the fit reads no method=peft row: their published figures halved, the constants do not move
+    halved = [c if c.strategy.method != "peft" else replace(c, published_tps_per_gpu=c.published_tps_per_gpu / 2)
+              for c in cases]
+    assert F.fit(halved) == F.fit(cases)
     acc = F.accuracy(cases)
     assert acc["rows"] == len(F.named(cases)) and acc["kinds"]["peft, 1 GPU"]["rows"] == len(peft)
     assert set(acc["peft_methods"]) == {F.gtp.gp.peft_type(c) for c in peft}
@@ -81,7 +86,8 @@ def test_a_peft_method_estimate_carries_its_own_time_error_bar():
     ia3 = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
     st = Strategy(method="peft", peft_config=ia3, precision="bf16", micro_batch_size=4, seq_len=768)
     err = estimate(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"), st).to_dict()["time"]["published_error"]
-    assert err["kind"] == "peft, 1 GPU" and err["rows"] >= 100 and err["held_out"] is True
+    # a development figure: the per-type rules were written against these very rows
+    assert err["kind"] == "peft, 1 GPU" and err["rows"] >= 100 and err["basis"] == "development"
     from memfit.steptime.accuracy import DATA
 
     kind = json.loads(DATA.read_text())["kinds"]["peft, 1 GPU"]  # the bar is the held-out range of those rows

@@ -1,8 +1,9 @@
 """The estimator's measured error on published GPU runs, by kind of run (data written by
-``bench/gpu_published.py --write-accuracy``; plain JSON beside this module, read once). The ranges are
-held out: each run predicted with the fitted allocator constants refitted without its source group
-(leave-one-group-out); the in-sample ranges (the Profile's defaults, fitted on every group) ride along.
-``bench/gpu_published.py --check`` (run by the tests) fails when the file is stale."""
+``bench/gpu_published.py --write-accuracy``; plain JSON beside this module, read once). Each run is predicted
+with the fitted allocator constants refitted without its source group (leave-one-group-out); each range
+carries its ``basis``, computed by the bench from bench/provenance.json: ``held_out`` only where nothing was
+decided after seeing those rows, else ``development``; the in-sample ranges (the Profile's defaults, fitted on
+every group) ride along. ``bench/gpu_published.py --check`` (run by the tests) fails when the file is stale."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from memfit.io import read_json_or_empty
+from memfit.steptime.accuracy import basis_text, noise_text
 
 DATA = Path(__file__).resolve().parent / "published_accuracy.json"
 
@@ -36,22 +38,23 @@ def _table() -> dict:
 
 
 def published_error(kind: str) -> Optional[dict]:
-    """{'kind', 'figures', 'rows', 'min_pct', 'max_pct', 'median_abs_pct', 'held_out', 'basis', 'date',
-    'in_sample': {...}, 'oom_called_fitting', 'ran_called_not_fitting', 'source', ...} or None when no
-    published run of this kind could be expressed. The top-level range is the held-out one."""
+    """{'kind', 'figures', 'rows', 'min_pct', 'max_pct', 'median_abs_pct', 'basis', 'hand_set', 'rests_on',
+    'date', 'in_sample': {...}, 'noise_floor', 'oom_called_fitting', 'ran_called_not_fitting', 'source', ...} or
+    None when no published run of this kind could be expressed. The top-level range is the leave-one-group-out
+    one; ``basis`` says whether it is held out or a development figure."""
     hit = _table().get(kind)
     if hit is None:
         return None
     data = _data()
-    return {"kind": kind, **hit, "held_out": bool(data.get("held_out")), "basis": data.get("basis"),
-            "date": data.get("date"), "basis_rows": data.get("rows"), "source": "bench/gpu_published.py",
-            "command": data.get("command")}
+    return {"kind": kind, **hit, "procedure": data.get("procedure"), "noise_floor": data.get("noise_floor"),
+            "held_out_readings": data.get("held_out_readings", []), "date": data.get("date"),
+            "basis_rows": data.get("rows"), "source": "bench/gpu_published.py", "command": data.get("command")}
 
 
 def describe(err: Optional[dict]) -> str:
     if not err:
         return "no measured GPU run of this kind to check against yet"
-    basis = "held out, leave-one-group-out" if err.get("held_out") else "in-sample"
+    basis = basis_text(err) + noise_text(err)
     oom, ran = err.get("oom_called_fitting") or 0, err.get("ran_called_not_fitting") or 0
     wrong = "" if not (oom or ran) else (
         f"; wrong fit verdict on {oom + ran} of {err.get('verdicts', '?')} runs ({oom} out of memory called fitting, "
