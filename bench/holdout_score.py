@@ -38,15 +38,39 @@ def _stats(errs: list[float]) -> dict:
             "median_signed_pct": round(100 * statistics.median(errs), 1)}
 
 
+def _prepared(path: Path, tmp: Path) -> tuple[Path, dict]:
+    """The rows as bench/holdout_rows.prepare maps them (a file in ``tmp``), and those it skips (id -> why)."""
+    import holdout_rows
+
+    keep, skipped = [], {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            ready = holdout_rows.prepare(row)
+            if ready is None:
+                skipped[row["id"]] = holdout_rows.skip_reason(row)
+            else:
+                keep.append(json.dumps(ready))
+    out = tmp / Path(path).name
+    out.write_text("\n".join(keep) + "\n")
+    return out, skipped
+
+
 def read_memory(path: Path) -> dict:
     """Every row bench/gpu_published_rows.convert expresses, predicted at the Profile's defaults."""
     import gpu_published as G
+    import holdout_rows
 
-    cases, skipped = G.load(Path(path))
-    results = [G.predict(c) for c in cases]
+    with tempfile.TemporaryDirectory() as tmp, holdout_rows.registered(Path(tmp) / "configs"):
+        rows, pre = _prepared(path, Path(tmp))
+        cases, skipped = G.load(rows)
+        skipped += [{"id": k, "why": v} for k, v in pre.items()]
+        results = [G.predict(c) for c in cases]
     s = G.summarize(results)
     errs = [r["error"] for r in results if r["error"] is not None]
-    return {"side": "memory", "rows": s["rows"], "figures": len(errs), **_stats(errs),
+    groups = {g: _stats([r["error"] for r in results if r["group"] == g and r["error"] is not None])
+              for g in sorted({r["group"] for r in results})}
+    return {"side": "memory", "rows": s["rows"], "figures": len(errs), **_stats(errs), "groups": groups,
             "under_10": len(s["under_10"]), "oom_called_fitting": len(s["oom_called_fitting"]),
             "ran_called_not_fitting": len(s["ran_called_not_fitting"]),
             "per_row": {r["id"]: None if r["error"] is None else round(100 * r["error"], 1) for r in results},
@@ -56,11 +80,16 @@ def read_memory(path: Path) -> dict:
 def read_time(path: Path) -> dict:
     """Every row bench/public_time_rows.convert expresses, predicted at the Profile's defaults (tokens/s)."""
     import gpu_time_fit as F
+    import holdout_rows
     from public_time_rows import load
 
-    cases, skipped = load(Path(path))
-    errs = [F.predict(c) / c.published_tps_per_gpu - 1.0 for c in cases]
-    return {"side": "time", "rows": len(cases), "figures": len(errs), **_stats(errs),
+    with tempfile.TemporaryDirectory() as tmp, holdout_rows.registered(Path(tmp) / "configs"):
+        rows, pre = _prepared(path, Path(tmp))
+        cases, skipped = load(rows)
+        skipped += [{"id": k, "reason": v} for k, v in pre.items()]
+        errs = [F.predict(c) / c.published_tps_per_gpu - 1.0 for c in cases]
+    groups = {g: _stats([e for c, e in zip(cases, errs) if c.group == g]) for g in sorted({c.group for c in cases})}
+    return {"side": "time", "rows": len(cases), "figures": len(errs), **_stats(errs), "groups": groups,
             "per_row": {c.id: round(100 * e, 1) for c, e in zip(cases, errs)},
             "skipped": {k["id"]: k["reason"] for k in skipped}}
 
@@ -98,7 +127,8 @@ def readings(book: dict | None = None, root: Path = HERE.parent) -> list[dict]:
         if not e.get("first_reading"):
             continue
         now = read(root / e["file"], e["side"])
-        keep = ("rows", "figures", "median_abs_pct", "max_abs_pct", "median_signed_pct")
+        keep = ("rows", "figures", "median_abs_pct", "max_abs_pct", "median_signed_pct", "groups", "under_10",
+                "oom_called_fitting", "ran_called_not_fitting")
         out.append({"source": group, "side": e["side"], "address": e.get("address"),
                     "frozen_commit": e["frozen_commit"], "scored": e["scored_date"],
                     "first": {k: e["first_reading"].get(k) for k in keep},
