@@ -41,6 +41,7 @@ from memfit.spec.model import resolve_model  # noqa: E402
 sys.path.insert(0, str(HERE))
 from gpu_published_rows import (DEFAULT_FILE, GPUS, MODELS, UNSUPPORTED, Case, Skip, _bytes, _engine,  # noqa: E402,F401
                                 _hardware, _method, _metric, _precision, convert, load, load_gpu_check)
+import holdout_score  # noqa: E402
 import noise  # noqa: E402
 import provenance  # noqa: E402
 
@@ -240,6 +241,10 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
                       "mapping or row choice was decided after seeing; else development",
             **provenance.basis("memory", {c.group for c in cases}, record),
             "noise_floor": noise_floor(cases),
+            "overall": {"left_out": _overall(cases, results), "in_sample": _overall(cases, in_sample)},
+            "groups_left_out": _groups(cases, results, record),
+            "counts": _counts(cases),
+            "held_out_readings": [r for r in holdout_score.readings() if r["side"] == "memory"],
             "rows": sum(v["rows"] for v in kinds.values()),  # runs with a compared figure
             "figures": sum(v["figures"] for v in kinds.values()),
             "groups": sorted({c.group for c in cases}),
@@ -248,6 +253,35 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
             "fitted_per_group_left_out": fitted,
             "kinds": kinds,
             "peft_methods": by_peft_method(cases, results, in_sample, record)}
+
+
+def _overall(cases: list[Case], results: list[dict]) -> dict:
+    """What README quotes: every compared figure's median and max |error|, and the wrong verdicts."""
+    s = summarize(results)
+    runs = {c.id.split("#")[0]: c.status for c in cases}
+    return {"figures": s["compared"], "median_abs_pct": round(100 * s["median_abs"], 1),
+            "max_abs_pct": round(100 * s["max_abs"], 1), "under_10": len(s["under_10"]),
+            "oom_runs": sum(v == "oom" for v in runs.values()), "oom_called_fitting": len(s["oom_called_fitting"]),
+            "ran_runs": sum(v == "success" for v in runs.values()),
+            "ran_called_not_fitting": len(s["ran_called_not_fitting"])}
+
+
+def _groups(cases: list[Case], results: list[dict], record: dict) -> dict:
+    """Per source group, its figures predicted with the constants fitted without it, and its basis."""
+    out = {}
+    for g in sorted({c.group for c in cases}):
+        mine = [r for r in results if r["group"] == g]
+        if any(r["error"] is not None for r in mine):
+            out[g] = {**_overall([c for c in cases if c.group == g], mine),
+                      "basis": provenance.group_basis("memory", g, record)}
+    return out
+
+
+def _counts(cases: list[Case]) -> dict:
+    public = {c.id.split("#")[0] for c in cases if not c.group.startswith("gpu-check")}
+    peft = {c.id.split("#")[0]: peft_type(c) for c in cases if c.strategy.method == "peft"}
+    return {"published_runs": len(public), "peft_runs": len(peft), "peft_methods": len(set(peft.values())),
+            "gpu_check_runs": len({c.id.split("#")[0] for c in cases if c.group.startswith("gpu-check")})}
 
 
 def noise_floor(cases: list[Case]) -> dict:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import gpu_time_published as gtp  # noqa: E402
+import holdout_score  # noqa: E402
 import noise  # noqa: E402
 import provenance  # noqa: E402
 import public_time  # noqa: E402
@@ -200,6 +201,7 @@ def accuracy(cases: list[TimeCase], record: dict | None = None) -> dict:
             "median_abs_pct": round(100 * overall["median_abs"], 1), "max_abs_pct": round(100 * overall["max_abs"], 1),
             **provenance.basis("time", {jud[i].group for i in five}, record),
             "noise_floor": noise_floor(jud),
+            "held_out_readings": [r for r in holdout_score.readings() if r["side"] == "time"],
             "overall_is": "the named methods' rows (full, LoRA, QLoRA, DoRA); method=peft rows are scored apart",
             "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds, record),
             "peft_methods": peft_methods(jud, preds), "command": "python bench/gpu_time_fit.py --write"}

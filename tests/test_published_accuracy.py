@@ -129,28 +129,3 @@ def test_estimate_json_carries_the_bar_and_its_basis():
     assert (err["min_pct"], err["max_pct"], err["figures"]) == (kind["min_pct"], kind["max_pct"], kind["figures"])
     assert err["basis"] == kind["basis"] and err["noise_floor"] == committed["noise_floor"]
     assert err["in_sample"] == kind["in_sample"]
-
-
-def _pct(x: float) -> str:
-    return f"{x:+.1f}".replace("-", "−")
-
-
-def _span(r: dict) -> str:
-    return f"{_pct(r['min_pct'])} %" if r["min_pct"] == r["max_pct"] else f"{_pct(r['min_pct'])} … {_pct(r['max_pct'])} %"
-
-
-def test_readme_and_docs_print_the_current_figures(bench):
-    """The memory accuracy figures README.md and docs/estimator.md quote are what the bench prints now."""
-    root = G.HERE.parent
-    readme = " ".join((root / "README.md").read_text().split())
-    held, ins = G.summarize(bench["held"][0]), G.summarize(bench["in_sample"])
-    assert (f"median |error| {100 * held['median_abs']:.1f} %, max {100 * held['max_abs']:.1f} % over "
-            f"{held['compared']} figures") in readme
-    assert f"median {100 * ins['median_abs']:.1f} %, max {100 * ins['max_abs']:.1f} %, none more than 10 % under" in readme
-    assert f"(0 of {sum(c.status == 'oom' for c in bench['cases'])})" in readme
-    assert f"{len(held['ran_called_not_fitting'])} of the {sum(c.status == 'success' and '#' not in c.id for c in bench['cases'])} runs that ran" in readme
-    docs = (root / "docs" / "estimator.md").read_text()
-    for kind, k in bench["accuracy"]["kinds"].items():
-        row = (f"| {kind} | {k['figures']} ({k['rows']}) | {_span(k)} | {k['median_abs_pct']:.1f} % | "
-               f"{_span(k['in_sample'])} | {k['in_sample']['median_abs_pct']:.1f} % |")
-        assert row in docs, row

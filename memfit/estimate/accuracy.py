@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from memfit.io import read_json_or_empty
-from memfit.steptime.accuracy import basis_text, noise_text
+from memfit.steptime.accuracy import basis_text, noise_text, readings_text
 
 DATA = Path(__file__).resolve().parent / "published_accuracy.json"
 
@@ -61,4 +61,4 @@ def describe(err: Optional[dict]) -> str:
         f"{ran} that ran called not fitting)")
     return (f"{err['kind']}: within {err['min_pct']:+.1f}…{err['max_pct']:+.1f} % on {err['figures']} measured GPU "
             f"figure{'s' if err['figures'] != 1 else ''} ({basis}; published runs + memfit's GPU check"
-            + (f", {err['date']}" if err.get("date") else "") + ")" + wrong)
+            + (f", {err['date']}" if err.get("date") else "") + ")" + wrong + readings_text(err))

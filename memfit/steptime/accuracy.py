@@ -45,6 +45,16 @@ def basis_text(err: dict) -> str:
     return "in-sample"
 
 
+def readings_text(err: dict) -> str:
+    """The held-out figure: new sources scored once at a frozen commit (bench/holdout/ledger.json)."""
+    reads = err.get("held_out_readings") or []
+    if not reads:
+        return ""
+    first = "; ".join(f"median {r['first']['median_abs_pct']:.1f} %, max {r['first']['max_abs_pct']:.1f} % on "
+                      f"{r['first']['figures']} figures" for r in reads)
+    return f". Held out on {len(reads)} new source{'s' if len(reads) != 1 else ''} scored once: {first}"
+
+
 def noise_text(err: dict) -> str:
     floor = err.get("noise_floor") or {}
     if not floor.get("configs"):
@@ -58,7 +68,7 @@ def describe_time(err: Optional[dict]) -> str:
         return "no published GPU throughput to check against yet"
     o = err["overall"]
     every = (f"full/LoRA/QLoRA/DoRA runs: median {o['median_abs_pct']:.0f} %, max {o['max_abs_pct']:.0f} % on "
-             f"{o['rows']} runs ({basis_text(o)}{noise_text(err)})")
+             f"{o['rows']} runs ({basis_text(o)}{noise_text(err)}){readings_text(err)}")
     if err.get("kind") is None:
         return f"no published run of this kind; {every}"
     return (f"{err['kind']}: {err['min_pct']:+.0f}…{err['max_pct']:+.0f} % tokens/s on {err['rows']} published "
@@ -67,5 +77,5 @@ def describe_time(err: Optional[dict]) -> str:
 
 
 def _hand_set(err: dict) -> str:
-    names = err.get("hand_set") or []
-    return f"; hand-set: {', '.join(names)}" if names else ""
+    n = len(err.get("hand_set") or [])
+    return f", {n} of them hand-set constants (--json: hand_set)" if n else ""
