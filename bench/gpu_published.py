@@ -223,7 +223,7 @@ def default_checks(path: Path) -> list[Path]:
 def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cases: list[Case] | None = None,
              held: tuple | None = None, record: dict | None = None) -> dict:
     """What ``memfit/estimate/published_accuracy.json`` holds (without its date): per kind of run, the
-    leave-one-group-out error range (held out), the in-sample range at the Profile's defaults, and the
+    leave-one-group-out error range with its basis (bench/provenance.py), the in-sample range at the Profile's defaults, and the
     wrong fit verdicts of the held-out predictions."""
     checks = default_checks(path) if checks is None else checks
     if cases is None:
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
           f" {'<-5%':>4s} {'<-10%':>5s} {'OOM fits':>8s} {'ran,no fit':>10s} {'bound>card':>10s}")
     rows = [*per_group.items(), ("overall", overall)]
     if held_overall is not None:
-        rows.append(("held out", held_overall))
+        rows.append(("left out", held_overall))
     for name, s in rows:
         med = "    -  " if s["median_abs"] is None else f"{100 * s['median_abs']:6.1f}%"
         mx = "    -  " if s["max_abs"] is None else f"{100 * s['max_abs']:6.1f}%"
@@ -422,20 +422,27 @@ def main(argv=None) -> int:
             print(f"  {g:14s} {vals}: median |e| {med}, max |e| {mx}, rows >10 % under: {f['under_10']}, "
                   f"OOM called fitting: {f['oom_called_fitting']}, ran called not fitting: {f['ran_called_not_fitting']}")
     if held is not None:
-        print("\nper kind of run (what estimate/plan print): held out (leave-one-group-out) | in-sample")
+        print("\nper kind of run (what estimate/plan print): leave-one-group-out [basis] | in-sample")
         for kind, k in kinds.items():
             ins = k["in_sample"]
             print(f"  {kind:22s} {k['figures']:3d} figures, {k['rows']:3d} runs: {k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} %"
                   f" (median |e| {k['median_abs_pct']:.1f} %) | {ins['min_pct']:+6.1f} … {ins['max_pct']:+6.1f} %"
-                  f" (median |e| {ins['median_abs_pct']:.1f} %); wrong verdicts held out: "
+                  f" (median |e| {ins['median_abs_pct']:.1f} %) [{k['basis']}]; wrong verdicts left out: "
                   f"{k['oom_called_fitting']} OOM called fitting, {k['ran_called_not_fitting']} ran called not fitting"
                   f" of {k['verdicts']}")
-        _print_peft_methods(accuracy(args.file, checks, cases=cases, held=held)["peft_methods"])
+        acc = accuracy(args.file, checks, cases=cases, held=held)
+        _print_peft_methods(acc["peft_methods"])
+        f = acc["noise_floor"]
+        print(f"\nnoise floor: {f['configs']} configurations measured more than once differ by median "
+              f"{f['median_spread_pct']} %, up to {f['max_spread_pct']} % (bench/noise.py)")
+        for r in acc["held_out_readings"]:
+            print(f"held out, scored once ({r['source']}, frozen at {r['frozen_commit'][:7]}): first reading median "
+                  f"{r['first']['median_abs_pct']} %, max {r['first']['max_abs_pct']} %; now {r['current']['median_abs_pct']} %")
     return 0
 
 
 def _print_peft_methods(methods: dict) -> None:
-    print("\nper PEFT method (method=peft: scored, never fitted): held out | in-sample")
+    print("\nper PEFT method (method=peft: scored, never fitted; development): left out | in-sample")
     for kind, k in methods.items():
         ins = k["in_sample"]
         print(f"  {kind:18s} {k['figures']:3d} figures: {k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} % "

@@ -2,7 +2,7 @@
 free constants fitted, leave-one-group-out figures, the seed's runtime findings, and the error bars
 `estimate` / `plan` show.
 
-    .venv/bin/python bench/gpu_time_fit.py                 # tables: in-sample and held out, per group; seed checks
+    .venv/bin/python bench/gpu_time_fit.py                 # tables: in-sample and left out, per group; seed checks
     .venv/bin/python bench/gpu_time_fit.py --rows          # + every row
     .venv/bin/python bench/gpu_time_fit.py --write         # + rewrite memfit/steptime/published_time_accuracy.json
     .venv/bin/python bench/gpu_time_fit.py --check         # exit 1 when that file differs from what this computes
@@ -221,10 +221,10 @@ def _table(title: str, scores: dict) -> list[str]:
 
 
 def _peft_table(peft: list) -> list[str]:
-    """method=peft rows held out (constants fitted without their group), one line per PEFT method."""
+    """method=peft rows left out (constants fitted without their group; development), one line per PEFT method."""
     table = peft_methods(*zip(*peft))
     errs = [abs(p / c.published_tps_per_gpu - 1) for c, p in peft]
-    lines = [f"\nmethod=peft rows (any PEFT method from its config; scored, never fitted), held out: {len(peft)} "
+    lines = [f"\nmethod=peft rows (any PEFT method from its config; scored, never fitted; development), left out: {len(peft)} "
              f"rows, median |e| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%",
              f"  {'PEFT method':18s} {'n':>3s} {'range':>17s} {'median|e|':>9s}"]
     for k, v in table.items():
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         print("err = predicted tokens/s per GPU / published - 1; fitted: " + ", ".join(
             f"{k} {getattr(DEFAULT_PROFILE, k):g}" for k in FITTED) + "\n")
         print("\n".join(_table("in-sample (the Profile's constants, fitted on every group):", by_group(jud, in_preds))))
-        print("\n".join(_table("\nheld out (each group predicted with the constants fitted on the others):",
+        print("\n".join(_table("\nleft out (each group predicted with the constants fitted on the others; development groups):",
                                by_group(jud, out_preds))))
         for g, v in fits.items():
             print(f"  without {g}: " + ", ".join(f"{k} {x:g}" for k, x in v.items()))
@@ -274,6 +274,14 @@ def main(argv=None) -> int:
                 f"{c.id} {_pct(p / c.published_tps_per_gpu - 1)}" for c, p in zip(low, lp)))
         if peft:
             print("\n".join(_peft_table(peft)))
+        f = noise_floor(scored)
+        print(f"\nnoise floor: {f['configs']} configurations published more than once differ by median "
+              f"{f['median_spread_pct']} %, up to {f['max_spread_pct']} % (bench/noise.py)")
+        for r in holdout_score.readings():
+            if r["side"] == "time":
+                print(f"held out, scored once ({r['source']}, frozen at {r['frozen_commit'][:7]}): first reading "
+                      f"median {r['first']['median_abs_pct']} %, max {r['first']['max_abs_pct']} %; now "
+                      f"{r['current']['median_abs_pct']} %")
         print("\nseed 000 (arXiv 2406.02290) runtime findings, predicted on its setup:")
         for s in seeds:
             print(f"  {'PASS' if s['ok'] else 'FAIL'}  {s['finding']}: {s['detail']}")
