@@ -456,4 +456,8 @@ def _card(r: dict, cases: list[Case]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from memfit.methods.peft.count import save_counts
+
+    code = main()
+    save_counts()  # the PEFT counts this run made, for the next one (pricing itself writes nothing)
+    sys.exit(code)

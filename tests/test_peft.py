@@ -26,6 +26,7 @@ def _cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))  # counts cached in a fresh folder per test
     monkeypatch.setattr(count, "_MEMO", {})
+    monkeypatch.setattr(count, "_UNSAVED", {})
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,12 @@ def test_the_named_methods_plan_without_torch_and_peft_counts_once(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
     pytest.importorskip("peft")
+    from memfit.methods.peft import count
+
     st = Strategy(method="peft", peft_config=IA3)
     first = estimate(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"), st).trainable_parameters
+    assert not (tmp_path / "cache" / "peft-counts").exists()  # pricing writes no file
+    assert count.save_counts() == 1 and count.save_counts() == 0  # the CLI saves what the command counted
     assert len(list((tmp_path / "cache" / "peft-counts").glob("*.json"))) == 1
     code = ("import sys; sys.modules['torch'] = None; from memfit.estimate import estimate; "
             "from memfit.spec.model import resolve_model; from memfit.spec.hardware import parse_hardware; "
@@ -239,6 +244,7 @@ def test_cli_estimate_takes_a_peft_config(tmp_path):
                          env=env, check=True)
     out = json.loads(res.stdout)
     assert out["strategy"]["method"] == "peft" and out["model"]["trainable_parameters"] == 286720
+    assert len(list((tmp_path / "cache" / "peft-counts").glob("*.json"))) == 1  # the command saved its count
 
 
 def test_missing_peft_is_one_line(tmp_path):

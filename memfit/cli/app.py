@@ -69,6 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except typer.Abort:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    from memfit.methods.peft.count import save_counts
+
+    save_counts()  # PEFT counts made by this command (pricing itself never writes a file)
     if isinstance(rc, int) and rc:
         sys.exit(rc)
 

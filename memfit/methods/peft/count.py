@@ -3,9 +3,10 @@ imported here, inside functions; nothing is allocated): trainable parameters exa
 ``PeftModel.get_nb_trainable_parameters`` counts them, and which modules PEFT wrapped, by layer type.
 
 Only ``method=peft`` asks for this, and only when a ``peft_config`` is given: the plain planner never
-imports torch. Each count is cached in memory and on disk (``$MEMFIT_CACHE/peft-counts/<key>.json``), keyed
-by the model's config.json, the PEFT config and the installed peft / transformers versions, so a second
-``memfit plan`` reads a small JSON file.
+imports torch. Each count is cached in memory and read from disk (``$MEMFIT_CACHE/peft-counts/<key>.json``),
+keyed by the model's config.json, the PEFT config and the installed peft / transformers versions, so a second
+``memfit plan`` reads a small JSON file. Pricing never writes: new counts wait in memory until the caller (the
+CLI, once a command has finished) calls :func:`save_counts`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from memfit.errors import ConfigError
 
 VERSION = 6  # bump when the counted fields change (old cache files are then ignored)
 _MEMO: dict[str, dict] = {}
+_UNSAVED: dict[str, dict] = {}  # counted in this process, not yet on disk
 
 
 def cache_dir() -> Path:
@@ -63,14 +65,25 @@ def counted(model_config: str, peft_config: str) -> dict:
         hit = None
     if not isinstance(hit, dict) or hit.get("version") != VERSION:
         hit = count(json.loads(model_config), json.loads(peft_config))
-        try:
-            from memfit.io import write_text
-
-            write_text(path, json.dumps(hit, sort_keys=True), "PEFT count cache")
-        except Exception:  # noqa: BLE001  (a read-only cache only costs the next call a recount)
-            pass
+        _UNSAVED[key] = hit
     _MEMO[key] = hit
     return hit
+
+
+def save_counts() -> int:
+    """Write the counts made in this process to the disk cache (how many); a read-only cache only costs the
+    next process a recount."""
+    from memfit.io import write_text
+
+    saved = 0
+    for key, hit in list(_UNSAVED.items()):
+        try:
+            write_text(cache_dir() / f"{key}.json", json.dumps(hit, sort_keys=True), "PEFT count cache")
+            saved += 1
+        except Exception:  # noqa: BLE001
+            pass
+        _UNSAVED.pop(key, None)
+    return saved
 
 
 def _imports():
