@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from memfit.errors import ConfigError
+from memfit.spec import gpus
 
 GiB = 1 << 30
 GB = 10**9
@@ -38,55 +39,21 @@ class GpuSpec:
     pcie_link: str = ""  # the host link the user stated ('pcie3x8', pool suffix '@pcie3x8'); '' = the catalog's
 
 
-# CUDA's total per catalog part, GiB: the "total capacity" of PyTorch out-of-memory messages whose thread names the
-# card (the lowest figure cited: newer drivers keep more, e.g. RTX 4090 23.68 -> 23.52), or measured here.
-CUDA_TOTAL_GIB: dict[str, tuple[float, str]] = {
-    "V100-16GB": (15.78, "kchengiva/Shift-GCN#34"),
-    "V100-32GB": (31.74, "liucongg/ChatGLM-Finetuning#73, haotian-liu/LLaVA#812"),
-    "T4-16GB": (14.56, "Zheng-Chong/CatVTON#133 (ECC on; 14.75 on older Colab drivers, hpcaitech/Open-Sora#697)"),
-    "A10G-24GB": (22.49, "AUTOMATIC1111/stable-diffusion-webui#1259 (ECC on; nvidia-smi 23028 MiB)"),
-    "L4-24GB": (22.49, "nvidia-smi 23034 MiB (modal-labs/modal-client#2797); no PyTorch figure found"),
-    "A100-40GB": (39.50, "TianheWu/CoSeR#10 (39.59: raoyongming/DenseCLIP#52)"),
-    "A100-80GB": (79.15, "vllm-project/vllm#4408 (79.25: wbfwonderful/Vad-R1#11)"),
-    "H100-80GB": (79.10, "vllm-project/vllm#27508, huggingface/trl#2688 (nvidia-smi 81559 MiB)"),
-    "H100-PCIe-80GB": (79.10, "as the SXM part (same 80 GB HBM); no PCIe figure found"),
-    "H200-141GB": (139.80, "measured: bench/results/gpu_check_h200_2026-11-30.json total_memory 150109880320 B"),
-    "RTX3090-24GB": (23.69, "vllm-project/vllm#2140, GaoLii/DSP#10"),
-    "RTX4090-24GB": (23.52, "Soul-AILab/SoulX-FlashTalk#5 (23.64-23.68 on older drivers: zai-org/CogVideo#36)"),
-    "A5000-24GB": (23.67, "Magicboomliu/Accelerator-Simple-Template#7"),
-    "A6000-48GB": (47.54, "google-research/semivl#18 (ECC off)"),
-    "L40S-48GB": (44.42, "stepfun-ai/Step-Video-T2V#8 (ECC on; 44.53: Wan-Video/Wan2.1#205)"),
-    "RTX6000Ada-48GB": (44.43, "DINGYANB/MTVCrafter#21 (ECC on; nvidia-smi 46068 MiB)"),
-}
+def _catalog() -> tuple[dict[str, tuple[float, str]], dict[str, GpuSpec]]:
+    """CUDA's total per catalog part in GiB with its source (the "total capacity" of PyTorch out-of-memory
+    messages whose thread names the card, the lowest figure cited, or measured here), and the catalog: one
+    record per kind in memfit/spec/gpus/ (data-sheet peaks, dense; links one direction)."""
+    totals, catalog = {}, {}
+    for r in gpus.records():
+        if r["catalog"]:
+            totals[r["name"]] = (r["cuda_total_gib"], r["cuda_total_source"])
+            catalog[r["name"]] = GpuSpec(r["name"], int(r["cuda_total_gib"] * GiB), r["bf16"], r["fa2"],
+                                         r["dense_16bit_tflops"] * 1e12, r["fp32_tflops"] * 1e12,
+                                         r["intra_node_gbs"] * GB, r["pcie_gbs"] * GB)
+    return totals, catalog
 
 
-def _gpu(name, bf16, fa2, tflops, fp32_tflops, intra_gbs, pcie_gbs) -> GpuSpec:
-    return GpuSpec(name, int(CUDA_TOTAL_GIB[name][0] * GiB), bf16, fa2, tflops * 1e12, fp32_tflops * 1e12,
-                   intra_gbs * GB, pcie_gbs * GB)
-
-
-# name (memory: CUDA_TOTAL_GIB), bf16, FlashAttention-2, dense 16-bit TFLOP/s, fp32 TFLOP/s, intra-node GB/s, PCIe GB/s
-# Sources: NVIDIA data sheets (dense, i.e. without the 2:4 sparsity factor); NVLink per direction:
-# V100 SXM2 150, A100 SXM 300, H100/H200 SXM 450; boards without NVLink use PCIe (gen3 16, gen4 32,
-# gen5 64 GB/s theoretical). FA2 needs Ampere or newer (sm80+); bf16 needs Ampere or newer.
-CATALOG: dict[str, GpuSpec] = {g.name: g for g in (
-    _gpu("V100-16GB", False, False, 125, 15.7, 150, 16),
-    _gpu("V100-32GB", False, False, 125, 15.7, 150, 16),
-    _gpu("T4-16GB", False, False, 65, 8.1, 16, 16),
-    _gpu("A10G-24GB", True, True, 70, 31.2, 32, 32),
-    _gpu("L4-24GB", True, True, 121, 30.3, 32, 32),
-    _gpu("A100-40GB", True, True, 312, 19.5, 300, 32),
-    _gpu("A100-80GB", True, True, 312, 19.5, 300, 32),
-    _gpu("H100-80GB", True, True, 989, 67, 450, 64),
-    _gpu("H100-PCIe-80GB", True, True, 756, 51, 64, 64),
-    _gpu("H200-141GB", True, True, 989, 67, 450, 64),
-    _gpu("RTX3090-24GB", True, True, 71, 35.6, 32, 32),
-    _gpu("RTX4090-24GB", True, True, 165, 82.6, 32, 32),
-    _gpu("A5000-24GB", True, True, 111, 27.8, 32, 32),
-    _gpu("A6000-48GB", True, True, 155, 38.7, 32, 32),
-    _gpu("L40S-48GB", True, True, 362, 91.6, 32, 32),
-    _gpu("RTX6000Ada-48GB", True, True, 364, 91.1, 32, 32),  # RTX 6000 Ada data sheet (FP8 1457 sparse), PCIe
-)}
+CUDA_TOTAL_GIB, CATALOG = _catalog()
 
 DEFAULT_INTER_NODE_BANDWIDTH = 12.5 * GB  # 100 Gb/s InfiniBand / RoCE per node, one direction
 CPU_FLOPS_PER_CORE = 64e9  # fp32 peak per core, order of magnitude: 2 FMA units x 8–16 lanes x 2 FLOP x 2–3 GHz

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from memfit.spec import gpus
+
 GB = 1e9
 
 
@@ -39,26 +41,14 @@ class DeviceKind:
     fused_attention: bool = True  # FlashAttention-2 kernels (sm80+); older parts run SDPA's mem-efficient one
 
 
-# name: SMs (NVIDIA data sheets / white papers), HBM or GDDR bytes/s (data sheets)
-DEVICES: dict[str, DeviceKind] = {d.name: d for d in (
-    DeviceKind("V100-16GB", 80, 900 * GB, "volta", fused_attention=False),
-    DeviceKind("V100-32GB", 80, 900 * GB, "volta", fused_attention=False),
-    DeviceKind("T4-16GB", 40, 320 * GB, "turing", fused_attention=False),
-    DeviceKind("A10G-24GB", 80, 600 * GB, "ampere"),
-    DeviceKind("L4-24GB", 58, 300 * GB, "ada"),
-    DeviceKind("A100-40GB", 108, 1555 * GB, "ampere", matmul_max=0.87),
-    DeviceKind("A100-80GB", 108, 2039 * GB, "ampere", matmul_max=0.87),
-    DeviceKind("H100-80GB", 132, 3350 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
-    DeviceKind("H100-96GB", 132, 3360 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
-    DeviceKind("H100-PCIe-80GB", 114, 2000 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
-    DeviceKind("H200-141GB", 132, 4800 * GB, "hopper", matmul_max=0.80, attention_max=0.37),
-    DeviceKind("RTX3090-24GB", 82, 936 * GB, "ampere", p2p=False),
-    DeviceKind("RTX4090-24GB", 128, 1008 * GB, "ada", p2p=False),
-    DeviceKind("A5000-24GB", 64, 768 * GB, "ampere"),
-    DeviceKind("A6000-48GB", 84, 768 * GB, "ampere"),
-    DeviceKind("RTX6000Ada-48GB", 142, 960 * GB, "ada"),
-    DeviceKind("L40S-48GB", 142, 864 * GB, "ada"),
-)}
+def _devices() -> dict[str, DeviceKind]:
+    """Every kind's speeds from its record (memfit/spec/gpus/<name>.json, sources inside)."""
+    return {r["name"]: DeviceKind(r["name"], r["sms"], r["hbm_gbs"] * GB, r["arch"], r.get("matmul_max"),
+                                  r.get("attention_max"), r.get("p2p", True), r.get("fused_attention", True))
+            for r in gpus.records()}
+
+
+DEVICES: dict[str, DeviceKind] = _devices()
 
 DEFAULT = DeviceKind("unknown", 108, 1000 * GB, "ampere")
 
