@@ -20,6 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/memfit demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check memfit bench tests
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -114,8 +114,10 @@ def main() -> int:
         st = pred.get("strategy") or {}
         step, cstep = r.get("step_time_s") or float("nan"), _cpu_step(r)
         wall[name], cpu[name] = tokens / step, tokens / cstep
-        print(f"{name:8s} {r.get('method', ''):8s} {_label(st):35s} {st.get('micro_batch_size', '?')}x{st.get('grad_accum', '?'):<5} "
-              f"{(pred.get('time') or {}).get('tokens_per_second', float('nan')):10.0f} {wall[name]:8.0f} {step * 1e3:8.0f} "
+        print(f"{name:8s} {r.get('method', ''):8s} {_label(st):35s} "
+              f"{st.get('micro_batch_size', '?')}x{st.get('grad_accum', '?'):<5} "
+              f"{(pred.get('time') or {}).get('tokens_per_second', float('nan')):10.0f} {wall[name]:8.0f} "
+              f"{step * 1e3:8.0f} "
               f"{cpu[name]:9.0f} {cstep * 1e3:7.0f} {r['peak_mem_bytes'] / 1e9:7.2f}GB "
               f"{'yes' if r['peak_mem_bytes'] <= cap else 'NO':>6s}")
     for what, d in (("wall", wall), ("CPU time", cpu)):

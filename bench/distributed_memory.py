@@ -3,13 +3,13 @@
     .venv/bin/python bench/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
     .venv/bin/python bench/distributed_memory.py --peak [--cases fsdp1/full,fsdp2/lora]   # allocator peak
 
-``--peak``: FSDP1 and FSDP2, full fine-tuning, LoRA and QLoRA (bitsandbytes' CPU NF4, storage fp32), each in its own 2-process gloo launch: a tiny random
-Llama (h 256, 4 layers, vocab 2000, fp32, AdamW, micro-batch 2, sequence 512), wrapped as memfit's FSDP
-engines have accelerate wrap it — FSDP1: ``FullyShardedDataParallel`` with TRANSFORMER_BASED_WRAP on the
-decoder layers (+ PEFT's ``fsdp_auto_wrap_policy`` for LoRA), ``use_orig_params``, ``limit_all_gathers``,
-BACKWARD_PRE; FSDP2: ``fully_shard`` on every decoder layer, the untied embedding, the tail (final norm + head,
-``reshard_after_forward=False``) and the root (accelerate/utils/fsdp_utils.py fsdp2_prepare_model). Each rank
-measures its allocator peak over one step after a warm-up step (memfit's TensorMemoryProbe) against
+``--peak``: FSDP1 and FSDP2, full fine-tuning, LoRA and QLoRA (bitsandbytes' CPU NF4, storage fp32), each in its own
+2-process gloo launch: a tiny random Llama (h 256, 4 layers, vocab 2000, fp32, AdamW, micro-batch 2, sequence 512),
+wrapped as memfit's FSDP engines have accelerate wrap it — FSDP1: ``FullyShardedDataParallel`` with
+TRANSFORMER_BASED_WRAP on the decoder layers (+ PEFT's ``fsdp_auto_wrap_policy`` for LoRA), ``use_orig_params``,
+``limit_all_gathers``, BACKWARD_PRE; FSDP2: ``fully_shard`` on every decoder layer, the untied embedding, the tail
+(final norm + head, ``reshard_after_forward=False``) and the root (accelerate/utils/fsdp_utils.py fsdp2_prepare_model).
+Each rank measures its allocator peak over one step after a warm-up step (memfit's TensorMemoryProbe) against
 ``memory.gpu_allocated_bytes`` for the same strategy on the ``2xCPU`` pool. ~30 s per case on 2 cores.
 Opt-in cases: ``+gc`` (memfit's checkpoint), ``+gcl`` (transformers < 4.52's: reentrant, put around each FSDP1
 unit; strategy.hf_legacy_checkpoint). ``MEMFIT_PEAK_LAYERS`` / ``MEMFIT_PEAK_VOCAB`` change the tiny model's
@@ -323,7 +323,8 @@ def main() -> None:
             rows.append({"engine": eng, "method": method, "parameters": r0["parameters"],
                          "optimizer": r0["optimizer"], "gradients": r0["gradients"],
                          "params_plus_optimizer": po, "vs_ddp": po / ddp_po,
-                         "estimate_weights_plus_optimizer": _estimate(model_dir, [f"method={method}", *sets], args.steps),
+                         "estimate_weights_plus_optimizer": _estimate(model_dir, [f"method={method}", *sets],
+                                                                      args.steps),
                          "ranks_equal": case["ranks"][0] == case["ranks"][1], "max_loss_diff": diff})
     seconds = time.time() - t0
     if not args.keep:

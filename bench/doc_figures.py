@@ -47,7 +47,8 @@ def memory_bar(mem: dict, time: dict) -> str:
     o, i, n = mem["overall"]["left_out"], mem["overall"]["in_sample"], mem["counts"]
     reads = "; ".join(f"{r['address'].split(' @')[0]}: median {r['first']['median_abs_pct']:.1f} %, max "
                       f"{r['first']['max_abs_pct']:.1f} % on {r['first']['figures']} figures, "
-                      f"{r['first']['oom_called_fitting']} OOM runs called fitting, {r['first']['ran_called_not_fitting']} "
+                      f"{r['first']['oom_called_fitting']} OOM runs called fitting, "
+                      f"{r['first']['ran_called_not_fitting']} "
                       f"that ran called not fitting (frozen at {r['frozen_commit'][:7]}, scored {r['scored']})"
                       for r in mem["held_out_readings"])
     return (f"`PYTHONPATH=. .venv/bin/python bench/gpu_published.py` predicts {n['published_runs']} published GPU runs "
@@ -115,7 +116,8 @@ def memory_groups(mem: dict, time: dict) -> str:
                      f"{v['ran_called_not_fitting']} of {v['ran_runs']} |")
     o = mem["overall"]["left_out"]
     lines.append(f"| **all** | **{LABEL[mem['basis']]}** | **{o['figures']}** | **{o['median_abs_pct']:.1f} %** | "
-                 f"**{o['max_abs_pct']:.1f} %** | **{o['under_10']}** | **{o['oom_called_fitting']} of {o['oom_runs']}** | "
+                 f"**{o['max_abs_pct']:.1f} %** | **{o['under_10']}** | "
+                 f"**{o['oom_called_fitting']} of {o['oom_runs']}** | "
                  f"**{o['ran_called_not_fitting']} of {o['ran_runs']}** |")
     return "\n".join(lines) + "\n"
 

@@ -31,7 +31,8 @@ def pick(dora):
         pc = r.get("peft_config") or {}
         if (r.get("source_group") == "peft-mmqa" and pc.get("peft_type") == "LORA" and pc.get("r") == 32
                 and sorted(pc.get("target_modules") or []) == ["q_proj", "v_proj"] and not pc.get("use_rslora")
-                and bool(pc.get("use_dora")) == dora and r["experiment_name"].endswith("rank32" + ("-dora" if dora else ""))):
+                and bool(pc.get("use_dora")) == dora
+                and r["experiment_name"].endswith("rank32" + ("-dora" if dora else ""))):
             out.append(r)
     return out
 

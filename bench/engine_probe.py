@@ -169,7 +169,8 @@ def probe_cell(index: int, count_ops: bool) -> None:
           f"{med(s['main_cpu'] for s in steps) * 1e3:.0f} ms per step; op_seconds {before * 1e6:.1f} / "
           f"{after * 1e6:.1f} us before / after")
     names = sorted({k for st in steps for k in st["calls"]})
-    print("  collectives per step: " + ", ".join(f"{k} {med(st['calls'].get(k, 0) for st in steps):.0f}" for k in names))
+    print("  collectives per step: "
+          + ", ".join(f"{k} {med(st['calls'].get(k, 0) for st in steps):.0f}" for k in names))
     for k in sorted({k for s in steps for k in s["parts"]}):
         v = [s["parts"].get(k, [0, 0.0, 0.0]) for s in steps]
         n_ops = sum(d["ops"].get(k, {}).values()) / d["all_steps"] if count_ops else None

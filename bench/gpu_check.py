@@ -281,7 +281,8 @@ def report(result: dict) -> dict:
     lines = [f"GPU check: {env.get('gpu', 'no GPU')} (cc {env.get('capability', '-')}), torch {env.get('torch')}, "
              f"transformers {env.get('transformers')}, peft {env.get('peft')}, bitsandbytes "
              f"{env.get('bitsandbytes')}, flash_attn {env.get('flash_attn')}; measured {env.get('date')}",
-             f"{'config':28} {'alloc pred':>10} {'alloc meas':>10} {'err %':>7} {'resv pred':>9} {'resv meas':>9} {'err %':>7} "
+             f"{'config':28} {'alloc pred':>10} {'alloc meas':>10} {'err %':>7} {'resv pred':>9} {'resv meas':>9} "
+             f"{'err %':>7} "
              f"{'ctx':>5} {'total pred':>10} {'smi meas':>9} {'err %':>7} {'step pred':>9} {'step meas':>9}"]
     for r in rows:
         lines.append(f"{r['name']:28} {fmt(r['allocated_pred']):>10} {fmt(r['allocated_meas']):>10} "

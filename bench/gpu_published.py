@@ -223,8 +223,8 @@ def default_checks(path: Path) -> list[Path]:
 def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cases: list[Case] | None = None,
              held: tuple | None = None, record: dict | None = None) -> dict:
     """What ``memfit/estimate/published_accuracy.json`` holds (without its date): per kind of run, the
-    leave-one-group-out error range with its basis (bench/provenance.py), the in-sample range at the Profile's defaults, and the
-    wrong fit verdicts of the held-out predictions."""
+    leave-one-group-out error range with its basis (bench/provenance.py), the in-sample range at the Profile's defaults,
+    and the wrong fit verdicts of the held-out predictions."""
     checks = default_checks(path) if checks is None else checks
     if cases is None:
         cases = load(path)[0] + [c for p in checks for c in load_gpu_check(Path(p))]
@@ -310,7 +310,8 @@ def check(path: Path = DEFAULT_FILE, committed: Path = ACCURACY_FILE, want: dict
     try:
         have = json.loads(committed.read_text())
     except (OSError, ValueError) as err:
-        return f"{committed.name}: unreadable ({err}); regenerate: PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy"
+        return (f"{committed.name}: unreadable ({err}); regenerate: "
+                "PYTHONPATH=. .venv/bin/python bench/gpu_published.py --write-accuracy")
     want = accuracy(path, **kw) if want is None else dict(want)
     have.pop("date", None)
     want.pop("date", None)
@@ -410,7 +411,8 @@ def main(argv=None) -> int:
     for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"  {count:3d}  {why}")
     if logo:
-        print("\nleave-one-group-out (" + ", ".join(FITTED) + " fitted on the other groups; error on the one left out):")
+        print("\nleave-one-group-out (" + ", ".join(FITTED)
+              + " fitted on the other groups; error on the one left out):")
         for g, f in logo.items():
             vals = ", ".join(f"{k}={v:g}" for k, v in f["fitted"].items())
             if g == "(all groups)":
@@ -420,12 +422,14 @@ def main(argv=None) -> int:
             med = "-" if f["median_abs"] is None else f"{100 * f['median_abs']:.1f}%"
             mx = "-" if f["max_abs"] is None else f"{100 * f['max_abs']:.1f}%"
             print(f"  {g:14s} {vals}: median |e| {med}, max |e| {mx}, rows >10 % under: {f['under_10']}, "
-                  f"OOM called fitting: {f['oom_called_fitting']}, ran called not fitting: {f['ran_called_not_fitting']}")
+                  f"OOM called fitting: {f['oom_called_fitting']}, "
+                  f"ran called not fitting: {f['ran_called_not_fitting']}")
     if held is not None:
         print("\nper kind of run (what estimate/plan print): leave-one-group-out [basis] | in-sample")
         for kind, k in kinds.items():
             ins = k["in_sample"]
-            print(f"  {kind:22s} {k['figures']:3d} figures, {k['rows']:3d} runs: {k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} %"
+            print(f"  {kind:22s} {k['figures']:3d} figures, {k['rows']:3d} runs: "
+                  f"{k['min_pct']:+6.1f} … {k['max_pct']:+6.1f} %"
                   f" (median |e| {k['median_abs_pct']:.1f} %) | {ins['min_pct']:+6.1f} … {ins['max_pct']:+6.1f} %"
                   f" (median |e| {ins['median_abs_pct']:.1f} %) [{k['basis']}]; wrong verdicts left out: "
                   f"{k['oom_called_fitting']} OOM called fitting, {k['ran_called_not_fitting']} ran called not fitting"
@@ -437,7 +441,8 @@ def main(argv=None) -> int:
               f"{f['median_spread_pct']} %, up to {f['max_spread_pct']} % (bench/noise.py)")
         for r in acc["held_out_readings"]:
             print(f"held out, scored once ({r['source']}, frozen at {r['frozen_commit'][:7]}): first reading median "
-                  f"{r['first']['median_abs_pct']} %, max {r['first']['max_abs_pct']} %; now {r['current']['median_abs_pct']} %")
+                  f"{r['first']['median_abs_pct']} %, max {r['first']['max_abs_pct']} %; "
+                  f"now {r['current']['median_abs_pct']} %")
     return 0
 
 

@@ -26,7 +26,8 @@ MODELS = {  # published model id -> memfit preset (same architecture numbers)
     "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b", "bigcode/gpt_bigcode-santacoder": "santacoder",
     "tiiuae/falcon-7b": "falcon-7b", "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
 }
-UNSUPPORTED = {"T0": "encoder-decoder models (T5: T0_3B, mt0-xxl)", "mt0": "encoder-decoder models (T5: T0_3B, mt0-xxl)",
+UNSUPPORTED = {"T0": "encoder-decoder models (T5: T0_3B, mt0-xxl)",
+               "mt0": "encoder-decoder models (T5: T0_3B, mt0-xxl)",
                "bloomz": "BLOOM (ALiBi attention) configs", "glm": "GLM-4 (remote-code chatglm) configs"}
 GPUS = {"L40S": "L40S-48GB", "A100 80GB": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "80GB A100": "A100-80GB",
         "A100 40GB": "A100-40GB", "40GB GPUs": "A100-40GB", "H100 80GB": "H100-80GB", "RTX 4090": "RTX4090-24GB"}
@@ -265,7 +266,8 @@ def load_gpu_check(path: Path) -> list[Case]:
     for r in data["records"]:
         st = Strategy(**r["run"]["strategy"])
         env = r.get("env") or {}
-        over = {"expandable_segments": 1.0} if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "") else None
+        over = ({"expandable_segments": 1.0} if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+                else None)
         m = r["measured"]
         for metric, key in (("allocated", "peak_allocated_bytes"), ("reserved", "peak_reserved_bytes")):
             cases.append(Case(f"{group}-{r['name']}" + ("" if metric == "allocated" else "#reserved"), group,

@@ -28,7 +28,6 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +42,7 @@ import public_time  # noqa: E402
 from public_time_rows import DEFAULT_FILE, TimeCase, load  # noqa: E402
 from time_grid import kendall_tau  # noqa: E402
 
-from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
+from memfit.estimate import DEFAULT_PROFILE  # noqa: E402
 from memfit.estimate.accuracy import run_kind  # noqa: E402
 from memfit.spec.model import resolve_model  # noqa: E402
 from memfit.steptime.accuracy import DATA as ACCURACY_FILE  # noqa: E402
@@ -65,7 +64,8 @@ def own_rows() -> list[TimeCase]:
             continue
         c = tc.case
         kind = c.hardware.gpu.name
-        out.append(TimeCase(id=c.id, group=tc.source, model_group=f"{tc.source}/{c.model}/{kind} x{c.hardware.world_size}",
+        out.append(TimeCase(id=c.id, group=tc.source,
+                            model_group=f"{tc.source}/{c.model}/{kind} x{c.hardware.world_size}",
                             model=resolve_model(c.model), hardware=c.hardware, strategy=c.strategy,
                             published_tps_per_gpu=tc.published_tps / c.hardware.world_size, tokens_counted="all",
                             reliability=c.reliability or ("low" if tc.note else "high"), note=tc.note))
@@ -224,11 +224,13 @@ def _peft_table(peft: list) -> list[str]:
     """method=peft rows left out (constants fitted without their group; development), one line per PEFT method."""
     table = peft_methods(*zip(*peft))
     errs = [abs(p / c.published_tps_per_gpu - 1) for c, p in peft]
-    lines = [f"\nmethod=peft rows (any PEFT method from its config; scored, never fitted; development), left out: {len(peft)} "
+    lines = ["\nmethod=peft rows (any PEFT method from its config; scored, never fitted; development), "
+             f"left out: {len(peft)} "
              f"rows, median |e| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%",
              f"  {'PEFT method':18s} {'n':>3s} {'range':>17s} {'median|e|':>9s}"]
     for k, v in table.items():
-        lines.append(f"  {k:18s} {v['rows']:3d} {v['min_pct']:+7.1f}..{v['max_pct']:+7.1f}% {v['median_abs_pct']:8.1f}%")
+        lines.append(f"  {k:18s} {v['rows']:3d} {v['min_pct']:+7.1f}..{v['max_pct']:+7.1f}% "
+                     f"{v['median_abs_pct']:8.1f}%")
     return lines
 
 
@@ -264,8 +266,8 @@ def main(argv=None) -> int:
         print("err = predicted tokens/s per GPU / published - 1; fitted: " + ", ".join(
             f"{k} {getattr(DEFAULT_PROFILE, k):g}" for k in FITTED) + "\n")
         print("\n".join(_table("in-sample (the Profile's constants, fitted on every group):", by_group(jud, in_preds))))
-        print("\n".join(_table("\nleft out (each group predicted with the constants fitted on the others; development groups):",
-                               by_group(jud, out_preds))))
+        print("\n".join(_table("\nleft out (each group predicted with the constants fitted on the others; "
+                               "development groups):", by_group(jud, out_preds))))
         for g, v in fits.items():
             print(f"  without {g}: " + ", ".join(f"{k} {x:g}" for k, x in v.items()))
         if low:

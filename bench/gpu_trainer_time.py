@@ -94,10 +94,12 @@ def main() -> int:
             continue
         pred, meas = t["step_seconds"] * 1e3, m["step_seconds"] * 1e3
         rows.append({"cell": cell, "predicted_ms": pred, "trainer_ms": t["trainer_seconds"] * 1e3, "measured_ms": meas,
-                     "steps_ms": [s * 1e3 for s in (m.get("ranks") or [{}])[0].get("step_seconds_all", [])], "basis": t["basis"]})
+                     "steps_ms": [s * 1e3 for s in (m.get("ranks") or [{}])[0].get("step_seconds_all", [])],
+                     "basis": t["basis"]})
         print(f"{name:36s} {pred:8.1f} {t['trainer_seconds'] * 1e3:8.1f} {meas:8.1f} {100 * (pred / meas - 1):+6.1f}",
               flush=True)
-        (args.out / "gpu_trainer_time.json").write_text(json.dumps({"profile": rates.to_dict(), "rows": rows}, indent=1))
+        (args.out / "gpu_trainer_time.json").write_text(json.dumps({"profile": rates.to_dict(), "rows": rows},
+                                                                   indent=1))
     return 0
 
 

@@ -7,8 +7,8 @@
 Two tiny model shapes built here with random weights (no hub): a Llama-style model (multi-head
 attention, untied output layer) and a Qwen2-style model (grouped-query attention with 2 KV heads,
 q/k/v biases). Every configuration runs in a fresh process (memfit.measure.runner): one warm-up step,
-then one profiled step. Prints predicted vs measured allocator-level peak with median and max error (and the FakeTensorMode
-traced estimate of the same step beside it),
+then one profiled step. Prints predicted vs measured allocator-level peak with median and max error (and the
+FakeTensorMode traced estimate of the same step beside it),
 the per-component errors, then a calibration check: constants fitted on the Llama-style runs only,
 errors reported on the Qwen2-style runs (shapes the constants were not fitted to).
 Measurements are saved as JSON under --out (input for `memfit calibrate --runs`).
@@ -191,7 +191,7 @@ def calibration_check(records: list[dict]) -> None:
     try:
         from memfit.estimate.constants import Profile
         from memfit.measure.calibrate import DEFAULT_PLAN, calibrate, run_estimate_fn, total_errors
-        from memfit.measure.compare import predicted_memory, summarize
+        from memfit.measure.compare import summarize
     except ImportError:
         return
     train = [r for r in records if r["cell"]["model"] == "llama"]

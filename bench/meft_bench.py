@@ -226,7 +226,8 @@ def main() -> None:
         print(f"(c) step time, {c['setting']}")
         print(f"    {'':<36} {'trainable':>10} {'wall ms':>9} {'1-thread CPU ms':>16}")
         for row in c["rows"]:
-            print(f"    {row['name']:<36} {row['trainable']:>10,} {row['wall_ms']:>9.1f} {row['cpu_1thread_ms']:>16.1f}")
+            print(f"    {row['name']:<36} {row['trainable']:>10,} {row['wall_ms']:>9.1f} "
+                  f"{row['cpu_1thread_ms']:>16.1f}")
         t = c["meft_per_step_traffic"]
         print(f"    MEFT bytes per step: h2d {t['h2d'] / MB:.2f} MB, d2h {t['d2h'] / MB:.2f} MB")
 

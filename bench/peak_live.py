@@ -86,7 +86,6 @@ def phases(events: list) -> tuple[dict, dict]:
 def worker(case: str, top_n: int) -> None:
     import gc
 
-    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 

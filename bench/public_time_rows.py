@@ -39,7 +39,8 @@ Features memfit cannot express -> skipped with the reason: ``torch_compile`` tru
 (``activation_offload(ing)`` or the engine text), optimizer step in backward (``optimizer`` optimizer_in_bwd),
 torchtitan's selective activation checkpointing (per-op: every second matmul recomputed; per-layer: every N-th
 block): neither memfit's gradient_checkpointing on nor off. Mapped: ``loss`` CEWithChunkedOutputLoss ->
-loss='chunked'; 8-bit AdamW named as the type (not in a parenthesised aside) -> optimizer='adamw8bit'; ``gradient_checkpointing`` yes / full AC -> True.
+loss='chunked'; 8-bit AdamW named as the type (not in a parenthesised aside) -> optimizer='adamw8bit';
+``gradient_checkpointing`` yes / full AC -> True.
 
 Precision (``precision``): 'pure bf16' / torchtune and Answer.AI 'bf16' (weights, grads, AdamW in bf16) -> bf16;
 fp32 master weights (torchtitan MixedPrecisionPolicy, accelerate aligned FSDP, DeepSpeed bf16) -> bf16-mixed.
@@ -77,7 +78,6 @@ sys.path.insert(0, str(HERE))
 
 import gpu_time_published as gtp  # noqa: E402  (DEEPSPEED_ASSUMED, ASSUMED)
 
-from memfit.methods import NAMES  # noqa: E402
 from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu, with_pcie_link  # noqa: E402
 from memfit.spec.model import ModelSpec, model_from_config, resolve_model  # noqa: E402
 from memfit.spec.strategy import Strategy  # noqa: E402

@@ -34,12 +34,15 @@ CONFIGS = {  # name -> strategy fields (fp32, seq 512, 8 sequences per step)
     "full-mb2": dict(method="full", gradient_checkpointing=False, attention="sdpa", micro_batch_size=2, grad_accum=4),
     "lora-eager-mb4": dict(method="lora", gradient_checkpointing=False, attention="eager", micro_batch_size=4,
                            grad_accum=2),
-    "lora-sdpa-mb4": dict(method="lora", gradient_checkpointing=False, attention="sdpa", micro_batch_size=4, grad_accum=2),
+    "lora-sdpa-mb4": dict(method="lora", gradient_checkpointing=False, attention="sdpa", micro_batch_size=4,
+                          grad_accum=2),
     "full-eager-mb4": dict(method="full", gradient_checkpointing=False, attention="eager", micro_batch_size=4,
                            grad_accum=2),
     # full-gc-mb8 chose the term's form (layer activations, not the peak); lora-gc-mb8 was held out (+17 %)
-    "full-gc-mb8": dict(method="full", gradient_checkpointing=True, attention="sdpa", micro_batch_size=8, grad_accum=1),
-    "lora-gc-mb8": dict(method="lora", gradient_checkpointing=True, attention="eager", micro_batch_size=8, grad_accum=1),
+    "full-gc-mb8": dict(method="full", gradient_checkpointing=True, attention="sdpa", micro_batch_size=8,
+                        grad_accum=1),
+    "lora-gc-mb8": dict(method="lora", gradient_checkpointing=True, attention="eager", micro_batch_size=8,
+                        grad_accum=1),
 }
 MALLOC = {"default": None, "bench": str(32 << 20), "measure": "65536"}
 

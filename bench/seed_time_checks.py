@@ -50,7 +50,8 @@ def run() -> list[dict]:
                     micro_batch_size=1, seq_len=4096) for att in ("fa2", "eager")}
     out.append({"finding": "FlashAttention-2 clearly faster at 4096 tokens on A100 (70B, ZeRO-3 + LoRA)",
                 "ok": fa["eager"] / fa["fa2"] >= 1.15,
-                "detail": f"fa2 {fa['fa2']:.2f} s, eager {fa['eager']:.2f} s (x{fa['eager'] / fa['fa2']:.2f}; accepted >= 1.15)"})
+                "detail": f"fa2 {fa['fa2']:.2f} s, eager {fa['eager']:.2f} s "
+                          f"(x{fa['eager'] / fa['fa2']:.2f}; accepted >= 1.15)"})
     return out
 
 

@@ -355,7 +355,8 @@ def main() -> int:
                     help="with --reuse: predict with this machine's cached profile, not the ones saved with the run")
     ap.add_argument("--only", type=str, default=None,
                     help="comma-separated configuration numbers to (re)measure, in new windows of their groups")
-    ap.add_argument("--held-out", action="store_true", help="configurations drawn outside this grid (time_grid_heldout.py)")
+    ap.add_argument("--held-out", action="store_true",
+                    help="configurations drawn outside this grid (time_grid_heldout.py)")
     ap.add_argument("--n", type=int, default=8, help="with --held-out: how many")
     ap.add_argument("--seed", type=int, default=0, help="with --held-out: the draw's seed")
     args = ap.parse_args()

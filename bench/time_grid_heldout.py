@@ -69,7 +69,8 @@ def work(cell: dict, shape: dict) -> float:
     params = L * (2 * h * h + 2 * h * kv + 3 * h * ffn) + h * v
     tokens = cell["micro_batch_size"] * cell["seq_len"]
     per_token = (6 if cell["method"] == "full" else 4) + (2 if cell["gradient_checkpointing"] else 0)
-    attention = 12 * L * cell["seq_len"] ** 2 * h * cell["micro_batch_size"] * (2 if cell["attention"] == "eager" else 1)
+    attention = (12 * L * cell["seq_len"] ** 2 * h * cell["micro_batch_size"]
+                 * (2 if cell["attention"] == "eager" else 1))
     return per_token * params * tokens + attention
 
 
@@ -144,5 +145,6 @@ def use(grid: ModuleType, n: int, seed: int, models: Path) -> None:
     grid.SHAPES.update(shapes)
     grid.CELLS[:] = cells
     print(f"held-out configurations (seed {seed}, n={n}): " + "; ".join(
-        f"{k} h{s['hidden_size']} L{s['num_hidden_layers']} heads {s['num_attention_heads']}/{s['num_key_value_heads']} "
+        f"{k} h{s['hidden_size']} L{s['num_hidden_layers']} "
+        f"heads {s['num_attention_heads']}/{s['num_key_value_heads']} "
         f"ffn {s['intermediate_size']} vocab {s['vocab_size']} {s['arch']}" for k, s in shapes.items()))

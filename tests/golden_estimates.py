@@ -149,7 +149,8 @@ def differences(a, b, where: str = "", rel: float = 1e-9):
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
             if k not in a or k not in b:
-                yield f"{where}{k}: {'missing' if k not in a else 'present'} -> {'missing' if k not in b else 'present'}"
+                yield (f"{where}{k}: {'missing' if k not in a else 'present'} -> "
+                       f"{'missing' if k not in b else 'present'}")
             else:
                 yield from differences(a[k], b[k], f"{where}{k}.", rel)
     elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):

@@ -228,7 +228,8 @@ def test_run_file_mistakes(world, capsys, tmp_path):
     good = _run_file(world, tmp_path, "good.yaml", out=world["finished"])
     cases = [
         (["train", tmp_path / "nope.yaml"], "not found"),
-        (["train", _yaml(tmp_path, "model: x\nstrategy: [a\n  b: c\n")], "run0.yaml:3:4: not valid YAML: expected ',' or ']'"),
+        (["train", _yaml(tmp_path, "model: x\nstrategy: [a\n  b: c\n")],
+         "run0.yaml:3:4: not valid YAML: expected ',' or ']'"),
         (["train", _yaml(tmp_path, "model: x\ntraining:\n  seed: 1\ntraining:\n  seed: 2\n")],
          "key 'training' is given twice"),
         (["train", _yaml(tmp_path, "model: x\nstrategy:\n  lora_r: 8\n  lora_r: 9\n")], "key 'lora_r' is given twice"),

@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from memfit.cli.app import main
 from memfit.estimate import estimate
 from memfit.plan.search import plan
 from memfit.spec.hardware import parse_hardware

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from memfit.cli.app import main
 from memfit.spec.run import load_run
 from cli_helper import run_cli
 

@@ -15,13 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 # imported before any fake is installed: libraries probe torch.cuda as they import
 from memfit.measure import hwcal, probe
 from memfit.measure.kernels import Timer, copy_rates
-from memfit.meft import MeftConfig, add_meft, adapters
-from memfit.meft.transfer import Traffic, Transfer
 from memfit.spec import hwprofile
 from memfit.train.callbacks import peak_memory_bytes
 from cuda_fakes import GB, FakeCuda, FakeEvent, FakeStream, cuda_tensors_on_cpu, fake_cuda  # noqa: F401

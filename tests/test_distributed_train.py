@@ -67,7 +67,8 @@ def matrix(tmp_path_factory, tiny_model_dir):
     cases += [{"name": "z2-bf16", "set": LORA + bf16 + ENGINES["z2"]},
               {"name": "fsdp-bf16", "set": LORA + bf16 + ENGINES["fsdp"]}]
     gc = ["strategy.gradient_checkpointing=true"]
-    cases += [{"name": "z3offp-lora", "set": LORA + gc + ["strategy.zero_stage=3", "strategy.offload=optimizer+params"]},
+    cases += [{"name": "z3offp-lora",
+               "set": LORA + gc + ["strategy.zero_stage=3", "strategy.offload=optimizer+params"]},
               {"name": "sgo-lora", "set": LORA + gc + ["strategy.fsdp=shard_grad_op"]}]
     for key in ("z3", "fsdp"):  # sharded checkpoint after 2 steps, then resume to step 3
         ckpt = ["training.max_steps=2", "training.checkpoint_interval=2"]
@@ -80,7 +81,8 @@ def matrix(tmp_path_factory, tiny_model_dir):
                                             {"name": "lora-bf16", "set": LORA + ["strategy.precision=bf16-mixed",
                                                                                  "strategy.micro_batch_size=2"]},
                                             # ZeRO without a launcher: a one-process group
-                                            {"name": "z2-alone", "set": LORA + ENGINES["z2"] + ["strategy.micro_batch_size=2"]}])
+                                            {"name": "z2-alone",
+                                             "set": LORA + ENGINES["z2"] + ["strategy.micro_batch_size=2"]}])
     _run(torchrun_command("memfit.measure.engine_matrix", dist_args, nproc=2), root)
     _run([sys.executable, "-m", "memfit.measure.engine_matrix", *ref_args], root)
     dist = json.loads(Path(dist_args[2]).read_text())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from memfit.estimate import Profile, estimate, meft_traffic_bytes
+from memfit.estimate import estimate
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy

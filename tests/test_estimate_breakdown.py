@@ -12,8 +12,8 @@ TINY = model_from_config({"model_type": "llama", "hidden_size": 64, "num_attenti
                           "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2,
                           "vocab_size": 100}, name="tiny")
 GPU1 = parse_hardware("A100-80GB")
-PROFILE = Profile(cuda_context_bytes=1e6, fragmentation=0.1, optimizer_step_temp_bytes=0.0, adamw_foreach_temp_copies=0.0,
-                  allocator_cached_layers=0.0, allocator_cached_loss=0.0)
+PROFILE = Profile(cuda_context_bytes=1e6, fragmentation=0.1, optimizer_step_temp_bytes=0.0,
+                  adamw_foreach_temp_copies=0.0, allocator_cached_layers=0.0, allocator_cached_loss=0.0)
 BASE = dict(method="full", seq_len=8, micro_batch_size=1, precision="bf16-mixed", attention="sdpa")
 
 

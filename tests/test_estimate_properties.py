@@ -37,7 +37,8 @@ def test_checkpointing_never_more_activation_memory():
         kw = dict(method=method, seq_len=s, attention=att, zero_stage=2, micro_batch_size=2)
         on = estimate(m, hw, Strategy(gradient_checkpointing=True, **kw))
         off = estimate(m, hw, Strategy(gradient_checkpointing=False, **kw))
-        assert on.gpu["activations"] + on.gpu["lora_intermediates"] <= off.gpu["activations"] + off.gpu["lora_intermediates"]
+        assert (on.gpu["activations"] + on.gpu["lora_intermediates"]
+                <= off.gpu["activations"] + off.gpu["lora_intermediates"])
         assert on.step_seconds >= off.step_seconds  # recomputation costs time
         assert on.gpu_total <= off.gpu_total
 
@@ -128,7 +129,8 @@ def test_profile_roundtrip_and_errors(tmp_path):
     (tmp_path / "bad2.json").write_text('{"gemm_max_fraction": "high"}')
     with pytest.raises(ConfigError, match="must be a number"):
         Profile.load(tmp_path / "bad2.json")
-    assert "gemm_max_fraction" in Profile.calibratable_names() and "qlora_fp32_upcast" not in Profile.calibratable_names()
+    assert ("gemm_max_fraction" in Profile.calibratable_names()
+            and "qlora_fp32_upcast" not in Profile.calibratable_names())
     with pytest.raises(ConfigError, match=r"margin 1.5: must be a fraction"):
         estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(), margin=1.5)
     with pytest.raises(ConfigError, match="korthikanti"):
@@ -172,7 +174,8 @@ def test_every_combination_is_well_formed():
                 assert g["peak_concurrency"] <= 1e-6 * g["total"]
                 assert all(v >= 0 for k, v in g.items() if k != "peak_concurrency")
                 assert all(v >= 0 for v in est.cpu.values())
-                assert all(math.isfinite(v) for v in est.time.values() if not isinstance(v, str)) and est.step_seconds > 0
+                assert (all(math.isfinite(v) for v in est.time.values() if not isinstance(v, str))
+                        and est.step_seconds > 0)
                 count += 1
     assert count > 1000
 

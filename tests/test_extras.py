@@ -7,7 +7,6 @@ a fresh venv with `pip install memfit` (no extras) prints the same lines (README
 import pytest
 
 from memfit.cli import extras
-from memfit.cli.app import main
 from memfit.spec.run import run_from_dict
 from cli_helper import run_cli
 

@@ -21,8 +21,9 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
                 "memory": {"nvidia_smi_peak": {"value": 26056.0, "unit": "MiB"}}}
     oom = {**BASE, "id": "q70", "model": "NousResearch/Llama-2-70b-hf", "status": "failed (likely OOM)",
            "primary_memory": {"value": 79762.0, "unit": "MiB", "metric_class": "nvidia_smi_peak"}}
-    other = {**BASE, "id": "lorafa", "model": "mistralai/Mistral-7B-v0.1", "method": "LoRA-FA (lora + LoRA-FA optimizer)",
-             "peft_config": {"peft_type": "LORA"}, "primary_memory": measured["primary_memory"]}
+    other = {**BASE, "id": "lorafa", "model": "mistralai/Mistral-7B-v0.1",
+             "method": "LoRA-FA (lora + LoRA-FA optimizer)", "peft_config": {"peft_type": "LORA"},
+             "primary_memory": measured["primary_memory"]}
     path = tmp_path / "runs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (measured, oom, other)) + "\n")
     assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0
@@ -35,7 +36,8 @@ def test_rows_are_predicted_skipped_and_judged(tmp_path, capsys):
     # the 70B QLoRA run that ran out of memory on 80 GB is predicted not to fit
     assert rows["q70"]["status"] == "oom" and rows["q70"]["fits"] is False and rows["q70"]["verdict_ok"]
     assert out["skipped"] == [{"id": "lorafa", "group": "g",
-                               "why": "the LoRA-FA optimizer is not a memfit method (full, lora, qlora, meft, dora, peft)"}]
+                               "why": "the LoRA-FA optimizer is not a memfit method "
+                                      "(full, lora, qlora, meft, dora, peft)"}]
     assert out["overall"]["rows"] == 2 and out["overall"]["compared"] == 2
     assert out["kinds"]["qlora, 1 GPU"]["figures"] == 2
     assert out["overall"]["oom_called_fitting"] == [] and out["overall"]["ran_called_not_fitting"] == []
@@ -72,9 +74,11 @@ def test_an_fsdp1_row_is_mapped_with_its_checkpoint(tmp_path, capsys):
     # the 2-GPU run the multi-GPU issue quotes: Llama-2-70B QLoRA on 2 x A100-80GB under accelerate's FSDP (FSDP1),
     # fms-hf-tuning (HF Trainer + TRL) on transformers 4.48: its reentrant checkpoint sits around each decoder
     # layer's unit, which keeps every layer's input and gradient to the backward's end; 46.7 GB allocated
-    fsdp = {**BASE, "id": "q70x2", "model": "NousResearch/Llama-2-70b-hf", "gpu": {"model": "NVIDIA A100 80GB", "count": 2},
+    fsdp = {**BASE, "id": "q70x2", "model": "NousResearch/Llama-2-70b-hf",
+            "gpu": {"model": "NVIDIA A100 80GB", "count": 2},
             "engine": "FSDP FULL_SHARD over 2 GPUs, launched with accelerate",
-            "framework": "fms-hf-tuning sft_trainer (HF transformers Trainer + TRL SFTTrainer + PEFT + accelerate/FSDP)",
+            "framework": "fms-hf-tuning sft_trainer (HF transformers Trainer + TRL SFTTrainer + PEFT + "
+                         "accelerate/FSDP)",
             "software": {"transformers": "4.48.1"}, "micro_batch_size": 2,
             "quantization": "bitsandbytes 4-bit NF4, double quant; bnb_4bit_quant_storage=bf16 under FSDP",
             "primary_memory": {"value": 46.7e9, "unit": "bytes", "metric_class": "torch_max_memory_allocated"}}

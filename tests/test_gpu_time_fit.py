@@ -35,7 +35,8 @@ def test_held_out_figures_on_public_rows_do_not_regress():
     h200 = [(c, p) for c, p in zip(cases, preds) if c.group == "gpu-check-h200"]
     assert F.summary([c for c, _ in h200], [p for _, p in h200])["median_abs"] <= 0.15
     fms = [(c, p) for c, p in zip(cases, preds) if c.group == "fms-main"]
-    assert F.summary([c for c, _ in fms], [p for _, p in fms])["kendall"]["fms-main/mistral-7b/A100-80GB x1"]["tau"] >= 0.8
+    kendall = F.summary([c for c, _ in fms], [p for _, p in fms])["kendall"]
+    assert kendall["fms-main/mistral-7b/A100-80GB x1"]["tau"] >= 0.8
 
 
 def test_seed_runtime_findings():
@@ -87,9 +88,11 @@ def test_a_peft_method_estimate_carries_its_own_time_error_bar():
     from memfit.spec.model import resolve_model
     from memfit.spec.strategy import Strategy
 
-    ia3 = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
+    ia3 = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"],
+           "feedforward_modules": ["down_proj"]}
     st = Strategy(method="peft", peft_config=ia3, precision="bf16", micro_batch_size=4, seq_len=768)
-    err = estimate(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"), st).to_dict()["time"]["published_error"]
+    err = estimate(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"),
+                   st).to_dict()["time"]["published_error"]
     # a development figure: the per-type rules were written against these very rows
     assert err["kind"] == "peft, 1 GPU" and err["rows"] >= 100 and err["basis"] == "development"
     from memfit.steptime.accuracy import DATA

@@ -1,7 +1,5 @@
 """The traced step (FakeTensorMode) predicts the real step's allocator-level peak of the same loop."""
 
-import contextlib
-
 import pytest
 
 torch = pytest.importorskip("torch")

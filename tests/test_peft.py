@@ -205,7 +205,8 @@ def test_published_peft_rows_are_expressed(tmp_path, capsys):
     row = {"id": "ia3", "source_group": "g", "gpu": {"model": "NVIDIA A100 80GB", "count": 1}, "engine": "single GPU",
            "model": "mistralai/Mistral-7B-v0.1", "method": "ia3", "peft_config": IA3, "precision": "pure bf16",
            "gradient_checkpointing": "no", "sequence_length": {"value": 512}, "micro_batch_size": 2,
-           "status": "success", "primary_memory": {"value": 20.0, "unit": "GB", "metric_class": "torch_max_memory_reserved"}}
+           "status": "success",
+           "primary_memory": {"value": 20.0, "unit": "GB", "metric_class": "torch_max_memory_reserved"}}
     path = tmp_path / "runs.jsonl"
     path.write_text(json.dumps(row) + "\n")
     assert G.main(["--file", str(path), "--json", "--no-logo"]) == 0

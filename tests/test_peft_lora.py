@@ -76,7 +76,8 @@ def test_planner_keeps_the_options():
     p = plan(resolve_model("llama-3.2-3b"), parse_hardware("1xL40S-48GB"), methods=["lora"], seq_len=512,
              micro_batch_size=1, fixed=fixed, explain=False)
     best = p.recommended.strategy
-    assert best.method == "lora" and best.lora_rank_pattern == (("q_proj", 64),) and best.lora_modules_to_save == ("lm_head",)
+    assert (best.method == "lora" and best.lora_rank_pattern == (("q_proj", 64),)
+            and best.lora_modules_to_save == ("lm_head",))
 
 
 def test_train_with_the_options_saves_an_adapter_peft_loads(micro):

@@ -138,7 +138,8 @@ def test_every_wrapped_linear_does_loras_elementwise_and_host_work(setting):
     from memfit.steptime.work import lora_elementwise_bytes, method_work
 
     model = setting[0]
-    cfg = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"], "feedforward_modules": ["down_proj"]}
+    cfg = {"peft_type": "IA3", "target_modules": ["k_proj", "v_proj", "down_proj"],
+           "feedforward_modules": ["down_proj"]}
     st = _strategy(cfg)
     work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
     assert sorted(work["lora_like"]) == [(3072.0, 1024.0, 1.0), (3072.0, 1024.0, 1.0), (8192.0, 3072.0, 1.0)]
@@ -146,7 +147,8 @@ def test_every_wrapped_linear_does_loras_elementwise_and_host_work(setting):
     assert work["ops"] == pytest.approx(3 * (6.0 - 2.29)) and work["dropout"] is False
     by_hand = 2 * lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) \
         + lora_elementwise_bytes(8192, 3072, 2.0, False, True, False)
-    # per token: forward 5e n + (e + 4) k, backward 2e n + 3e k + (e + 4) k: k_proj's 2 x 1024 x 7 + 2 x 6 x 3072 + 6 x 3072
+    # per token: forward 5e n + (e + 4) k, backward 2e n + 3e k + (e + 4) k:
+    # k_proj's 2 x 1024 x 7 + 2 x 6 x 3072 + 6 x 3072
     assert lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) == 14 * 1024 + 12 * 3072 + 6 * 3072
     assert method_work(model, st, frozenset(), False)[1] == pytest.approx(by_hand, rel=1e-12)
 
@@ -172,7 +174,8 @@ def test_weight_rebuilding_methods_by_hand(setting):
     bat = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64, "init_weights": "bat"})
     assert sorted((k, n, f32, trains) for k, n, share, f32, trains in bat["delta_linears"]) == \
         [(3072.0, 1024.0, True, True), (3072.0, 3072.0, True, True)]
-    assert sorted(g[:5] for g in bat["weight_gemms"]) == [(1024.0, 3072.0, 64.0, 1.0, 1.0), (3072.0, 3072.0, 64.0, 1.0, 1.0)]
+    assert sorted(g[:5] for g in bat["weight_gemms"]) == [(1024.0, 3072.0, 64.0, 1.0, 1.0),
+                                                          (3072.0, 3072.0, 64.0, 1.0, 1.0)]
     assert bat["weight_bytes"] == 92.0 * qv
     plain = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64})
     assert sorted(x[:2] for x in plain["delta_linears"]) == [(64.0, 1024.0), (64.0, 3072.0)]  # (T x r) @ (r x n)
@@ -249,7 +252,8 @@ def test_boft_upload_is_priced_on_the_host_link(setting):
     model, hw = setting
     st = _strategy({"peft_type": "BOFT", "target_modules": ["q_proj"], "boft_block_size": 4})
     t = estimate(model, hw, st).time
-    assert t["upload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2 / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)
+    assert t["upload_seconds"] == pytest.approx(28 * 8.0 * 3072 ** 2
+                                                / speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).h2d)
     assert t["offload_seconds"] == 0.0
 
 

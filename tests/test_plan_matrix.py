@@ -60,7 +60,8 @@ def _paper(model, seq_len, gc, nodes, fits):
     """(model, seq_len, gc, nodes, fits the paper reports), marked xfail where memfit differs."""
     why = DIFFERS.get((model, seq_len, gc, nodes))
     marks = [pytest.mark.xfail(strict=True, reason=f"memfit differs from the paper: {why}")] if why else []
-    return pytest.param(model, seq_len, gc, nodes, fits, marks=marks, id=f"{model}-{seq_len}-{'gc' if gc else 'nogc'}-{nodes}n")
+    return pytest.param(model, seq_len, gc, nodes, fits, marks=marks,
+                        id=f"{model}-{seq_len}-{'gc' if gc else 'nogc'}-{nodes}n")
 
 
 FIG4_FITS = [

@@ -170,7 +170,8 @@ def test_meft_listed_says_what_it_buys_and_its_case():
     e = p.recommended
     note = [w for w in p.why if w.startswith("MEFT trains")]
     assert len(note) == 1
-    assert f"{e.trainable_parameters / 1e9:.2f} B parameters ({e.trainable_parameters / model.parameters:.0%}" in note[0]
+    assert (f"{e.trainable_parameters / 1e9:.2f} B parameters "
+            f"({e.trainable_parameters / model.parameters:.0%}") in note[0]
     assert f"({e.cpu['meft_store'] / 1e9:.1f} GB) stays in CPU RAM" in note[0]
     assert "knowledge-heavy" in note[0] and "docs/meft.md" in note[0]
     assert not any("MEFT" in w for w in plan(model, hw, seq_len=1024, micro_batch_size=1, methods=["lora"]).why)

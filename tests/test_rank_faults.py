@@ -76,9 +76,11 @@ def test_failure_lines():
     assert root_cause("error: rank 0 of 2 (node 0): lost a peer rank in a collective (x)\n" + report) == \
         "rank 1 was killed by SIGKILL (no error of its own: killed from outside, or out of host memory)"
     hung = ("error: rank 0 of 2 (node 0): lost a peer rank in a collective (RuntimeError: Timed out waiting "
-            "30000ms for send operation to complete); ...\n" + report.replace("-9 (pid: 7)  (SIGKILL)", "-15 (pid: 7)  (SIGTERM)"))
+            "30000ms for send operation to complete); ...\n"
+            + report.replace("-9 (pid: 7)  (SIGKILL)", "-15 (pid: 7)  (SIGTERM)"))
     assert root_cause(hung).startswith("rank 1 did not answer within distributed.timeout_s")
-    own = "error: rank 1 of 2 (node 0): RuntimeError: bad batch\n" + report.replace("-9 (pid: 7)  (SIGKILL)", "1 (pid: 7) ")
+    own = ("error: rank 1 of 2 (node 0): RuntimeError: bad batch\n"
+           + report.replace("-9 (pid: 7)  (SIGKILL)", "1 (pid: 7) "))
     assert root_cause(own) == "rank 1 of 2 (node 0): RuntimeError: bad batch"
 
 

@@ -121,7 +121,8 @@ def test_optimizer_phase_follows_the_trainable_dtype():
     from memfit.steptime.loop import optimizer_seconds
     p_t = 2e8
     got = optimizer_seconds(sp, "ddp", p_t, 1, 10.0, p_t, 1, False, grad_b=2.0, adam_scale=0.5)
-    assert got == pytest.approx(p_t * 80.0 / (2039e9 * prof.adam_bandwidth_fraction) * 0.5 + p_t * 2.0 * 3.0 / sp.bandwidth)
+    assert got == pytest.approx(p_t * 80.0 / (2039e9 * prof.adam_bandwidth_fraction) * 0.5
+                                + p_t * 2.0 * 3.0 / sp.bandwidth)
 
 
 def test_exposed_comm_by_hand():
@@ -163,7 +164,8 @@ def test_host_hooks_by_hand():
     # per step (a quarter per micro-batch at 4); their step bookkeeping 35 per tensor
     base = host_seconds(TINY, 0, False, False, False, "ddp", prof)
     assert host_seconds(TINY, 0, False, False, False, "zero2", prof, 21, 4) - base == pytest.approx(30 * 21 * 1.2e-5)
-    assert host_seconds(TINY, 0, False, False, False, "zero1", prof, 21, 4) - base == pytest.approx(30 * 21 / 4 * 1.2e-5)
+    assert (host_seconds(TINY, 0, False, False, False, "zero1", prof, 21, 4) - base
+            == pytest.approx(30 * 21 / 4 * 1.2e-5))
     assert step_host_seconds("zero2", 21, prof) == pytest.approx(35 * 21 * 1.2e-5)
     assert step_host_seconds("fsdp", 21, prof) == 0.0
     # ZeRO-3's fetch hooks: 8 ops x (7 linears + 2 norms + 6 other modules) x 2 layers, x1.4 under checkpointing

@@ -51,7 +51,8 @@ def test_optimizer_phase_is_the_longer_of_host_and_device():
     assert slow["optimizer_seconds"] == pytest.approx(PARAMS * 1e-8 + clip_bytes)  # 870 us > host
     # micro-batches, then the optimizer phase: the parts still add up to the step
     parts = (t["compute_seconds"] + t["optimizer_seconds"] + t["trainer_seconds"] + t["comm_exposed_seconds"]
-             + t["offload_seconds"] + t["upload_seconds"] + t["cpu_optimizer_seconds"] + t["meft_seconds"] + t["engine_seconds"])
+             + t["offload_seconds"] + t["upload_seconds"] + t["cpu_optimizer_seconds"] + t["meft_seconds"]
+             + t["engine_seconds"])
     assert t["step_seconds"] == pytest.approx(parts)
 
 

@@ -1,4 +1,5 @@
-"""The time model (memfit.steptime.step / speeds) at measured rates (the profile's life cycle: tests/test_time_calibration.py)."""
+"""The time model (memfit.steptime.step / speeds) at measured rates (the profile's life cycle:
+tests/test_time_calibration.py)."""
 
 import json
 

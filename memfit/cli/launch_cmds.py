@@ -10,14 +10,21 @@ import typer
 
 def launch_command(
     run_file: Path = typer.Argument(..., help="Run file (YAML)."),
-    nproc: Optional[int] = typer.Option(None, "--nproc", help="Processes (GPUs) on this node (default: run file's distributed.nproc)."),
+    nproc: Optional[int] = typer.Option(None, "--nproc",
+                                        help="Processes (GPUs) on this node (default: run file's distributed.nproc)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes in the job (default: distributed.nodes)."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0..nodes-1 (default: distributed.node_rank)."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address (default: distributed.master_addr)."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Free TCP port on node 0 (default: distributed.master_port, else a free port on one node, 29500 across nodes)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank",
+                                            help="This node's rank, 0..nodes-1 (default: distributed.node_rank)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr",
+                                              help="Node 0's address (default: distributed.master_addr)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port",
+                                              help="Free TCP port on node 0 (default: distributed.master_port, else a "
+                                              "free port on one node, 29500 across nodes)."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="KEY=VALUE override (repeatable)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
-    single_host: bool = typer.Option(False, "--single-host", help="Every node rank runs on this machine (test a multi-node config on one host; allows --master-addr 127.0.0.1)."),
+    single_host: bool = typer.Option(False, "--single-host",
+                                     help="Every node rank runs on this machine (test a multi-node config on one "
+                                     "host; allows --master-addr 127.0.0.1)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and the engine config; start nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: print JSON."),
 ) -> None:

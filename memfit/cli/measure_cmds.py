@@ -13,7 +13,7 @@ import typer
 
 from memfit.errors import ConfigError
 
-O = "Output"
+OUT = "Output"
 R = "Measurement"
 
 
@@ -90,7 +90,7 @@ def measure_cmd(
     timeout: float = typer.Option(1800, "--timeout", help="Seconds allowed per configuration.",
                                   rich_help_panel=R),
     out: Optional[Path] = typer.Option(None, "--out", help="Save each measurement as JSON here "
-                                       "(input for `memfit calibrate --runs`).", rich_help_panel=O),
+                                       "(input for `memfit calibrate --runs`).", rich_help_panel=OUT),
     traced: bool = typer.Option(False, "--traced", help="Also trace the step under FakeTensorMode (no "
                                 "compute) and compare that estimate with the same measured peak.",
                                 rich_help_panel=R),
@@ -98,7 +98,7 @@ def measure_cmd(
                                     "presets and big models): traced vs predicted, no training.",
                                     rich_help_panel=R),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Predict with calibrated constants."),
-    json_: bool = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O),
+    json_: bool = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=OUT),
     **strategy_flags: Any,
 ) -> None:
     """Run a few real steps in a fresh process per configuration: measured vs predicted memory and time."""

@@ -16,19 +16,19 @@ from memfit.methods import METHODS
 M = "Model and hardware"
 S = "Strategy (one flag per key)"
 P = "Search"
-O = "Output"
+OUT = "Output"
 
 ModelOpt = typer.Option(..., "--model", "-m", help="Preset name, model folder, config.json, or Hub id "
                         "owner/name[@revision] (config.json only, into the HF cache).", rich_help_panel=M)
-GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, 2xRTX3090-24GB@pcie3x8 (a PCIe link below x16), or 'local'.",
-                       rich_help_panel=M)
+GpusOpt = typer.Option(None, "--gpus", help="GPU pool, e.g. 8xV100-32GB, 2x8xA100-80GB, 2xRTX3090-24GB@pcie3x8 "
+                       "(a PCIe link below x16), or 'local'.", rich_help_panel=M)
 CpuRamOpt = typer.Option(None, "--cpu-ram", help="CPU RAM per node, e.g. 128GB (default: catalog/detected).",
                          rich_help_panel=M)
 NodesOpt = typer.Option(None, "--nodes", help="Nodes of the pool (same as 2x8xGPU).", rich_help_panel=M)
 MarginOpt = typer.Option(0.05, "--margin", help="Fraction of each GPU's memory kept free.", rich_help_panel=M)
 ProfileOpt = typer.Option(None, "--profile", help="Calibrated constants (JSON from `memfit calibrate`).",
                           rich_help_panel=M)
-JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=O)
+JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=OUT)
 
 
 def _strategy_options() -> dict[str, Any]:
@@ -218,10 +218,10 @@ def plan_cmd(
                                          rich_help_panel=P),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (for total time).",
                                         rich_help_panel=P),
-    top: int = typer.Option(8, "--top", help="Candidates shown in the table.", rich_help_panel=O),
+    top: int = typer.Option(8, "--top", help="Candidates shown in the table.", rich_help_panel=OUT),
     emit: Optional[Path] = typer.Option(None, "--emit", help="Write run.yaml (+ deepspeed.json or "
                                         "accelerate.yaml) for the recommendation into this folder.",
-                                        rich_help_panel=O),
+                                        rich_help_panel=OUT),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
     **strategy_flags: Any,
 ) -> None:
@@ -307,7 +307,7 @@ def matrix_cmd(
     loss: Optional[str] = typer.Option(None, "--loss", help="Hold the loss: standard | chunked (default: "
                                        "search both).", rich_help_panel=S),
     png: Optional[Path] = typer.Option(None, "--png", help="Also draw the matrix into this image file.",
-                                       rich_help_panel=O),
+                                       rich_help_panel=OUT),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
 ) -> None:
     """Model size × context length table of the fastest recipe that fits (like arXiv 2406.02290 Fig. 4)."""

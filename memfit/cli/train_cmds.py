@@ -202,7 +202,8 @@ def train_command(
 
         run = _fallback_layout(run, nproc, nodes)
 
-        result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides, resume=resume)
+        result = train_with_fallback(run, run_path=str(run_path) if run_path else None, overrides=overrides,
+                                     resume=resume)
     else:
         result = _run_training(run, resume=resume, as_json=as_json, overwrite=overwrite, plan_why=plan_why)
     _show(result, as_json)

@@ -13,7 +13,8 @@ folder left resumable.
   part), so ``--resume`` continues from the newest complete one.
 
 ``MEMFIT_FAULT_DRILL=RANK:STEP:KIND`` (KIND: ``kill``, ``raise``, ``oom``, ``hang``: sleeps, alive but
-silent) makes rank RANK fail that way when it starts step STEP: the tests' and a user's drill of the above (:func:`drill_callback`).
+silent) makes rank RANK fail that way when it starts step STEP: the tests' and a user's drill of the above
+(:func:`drill_callback`).
 """
 
 from __future__ import annotations

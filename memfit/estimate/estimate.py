@@ -3,8 +3,9 @@
 ``Estimate.to_dict()`` is the ``memfit estimate --json`` contract (see docs/estimator.md). GPU lines:
 formula lines (weights, gradients, optimizer, activations, logits, lora_intermediates, meft_buffers),
 engine lines derived from the engine's configuration (gathered_params, comm_buffers), the
-``peak_concurrency`` adjustment (what is not live at the same time) and one ``overhead`` line (CUDA context + NCCL buffers + allocator fragmentation, itemised in
-``memory.gpu_overhead_bytes``). The numeric lines of ``gpu_bytes`` other than ``total`` sum to ``total``.
+``peak_concurrency`` adjustment (what is not live at the same time) and one ``overhead`` line (CUDA context +
+NCCL buffers + allocator fragmentation, itemised in ``memory.gpu_overhead_bytes``). The numeric lines of
+``gpu_bytes`` other than ``total`` sum to ``total``.
 
 The parts: :mod:`~memfit.estimate.setup` (the call's facts), each method's own terms in the registry
 (:mod:`memfit.methods`: trained and frozen bytes, adapter tensors, MEFT's buffers and traffic),
@@ -73,8 +74,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     nccl = CU.nccl_bytes(hardware, profile)
     frag = fragmentation(run, params, saved, peak, formula)
     if not gpu.is_cpu:  # the cache never holds more than the card leaves (the allocator frees it and retries)
-        frag = CU.cap_cached(frag, formula, cuda_ctx + nccl, gpu.memory_bytes, run.offload_optimizer or run.offload_params,
-                             profile)
+        frag = CU.cap_cached(frag, formula, cuda_ctx + nccl, gpu.memory_bytes,
+                             run.offload_optimizer or run.offload_params, profile)
     firm = formula + cuda_ctx + nccl + CU.cap_cached(frag, formula, cuda_ctx + nccl, 0.0,
                                                      run.offload_optimizer or run.offload_params, profile)
     overhead = cuda_ctx + nccl + frag
@@ -112,4 +113,5 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     trainable_parameters=method.reported_trainable(model, strategy, params.trainable),
                     floor_memory=frozen / (run.world if run.shard_weights else 1),
                     floor_seconds=timed["floor_seconds"], margin=margin, usable_gpu_bytes=usable,
-                    attention_backend=backend, gpu_loading=gpu_loading, gpu_needed=gpu_lines["total"] if gpu.is_cpu else firm)
+                    attention_backend=backend, gpu_loading=gpu_loading,
+                    gpu_needed=gpu_lines["total"] if gpu.is_cpu else firm)

@@ -9,7 +9,7 @@ from memfit.estimate.states import States
 def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, float], float]:
     """(CPU RAM lines per node, the steady-state part): the processes' baseline + max(steady state with
     offload, model loading)."""
-    p, st, procs, gpu = run.profile, run.strategy, run.hardware.gpus_per_node, run.gpu
+    p, procs, gpu = run.profile, run.hardware.gpus_per_node, run.gpu
     pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu else 0.0
     steady = procs * (states.cpu_optim + states.cpu_grads + states.cpu_params + pinned + meft_store)
     # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
@@ -61,16 +61,19 @@ def verdict(run: Setup, gpu_total: float, cpu_total: float, gpu_loading: float, 
         if need > usable:
             procs_txt = f"{per_node} x " if per_node > 1 else ""
             reasons.append(f"RAM: needs {need / 1e9:.2f} GB (model {procs_txt}{gpu_total / 1e9:.2f} + process/offload "
-                           f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; over by {(need - usable) / 1e9:.2f} GB")
+                           f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; "
+                           f"over by {(need - usable) / 1e9:.2f} GB")
         return reasons
     if gpu_total > usable:
         reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
                        f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
     elif gpu_loading + cuda_ctx > usable:
-        reasons.append(f"GPU memory while loading: quantising to NF4 holds {(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
+        reasons.append("GPU memory while loading: quantising to NF4 holds "
+                       f"{(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
                        f"per GPU before training starts, "
                        f"usable {usable / 1e9:.2f} GB; over by {(gpu_loading + cuda_ctx - usable) / 1e9:.2f} GB")
     if cpu_total > hardware.cpu_ram_bytes:
         reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
-                       f"(set --cpu-ram if the node has more); over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
+                       "(set --cpu-ram if the node has more); "
+                       f"over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
     return reasons

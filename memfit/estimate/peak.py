@@ -13,10 +13,11 @@ step temporaries).
 
 FSDP with accumulation under ``no_sync`` (``fsdp_sync_each_batch=false``) keeps *unsharded* gradients between
 micro-batches: accelerate's ``no_sync`` (what the HF Trainer enters for every micro-batch but the last unless
-accelerate's ``sync_each_batch`` is set, as memfit's trainer sets it by default) is ``FullyShardedDataParallel.no_sync`` for FSDP1 and
-``set_requires_gradient_sync(False)`` for FSDP2 (accelerate/accelerator.py ``no_sync``); Lightning Fabric's
-``no_backward_sync`` is FSDP1's ``no_sync`` too. FSDP1's post-backward hook then returns before the reduce-scatter
-(torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``: ``if not state._sync_gradients: ... return``;
+accelerate's ``sync_each_batch`` is set, as memfit's trainer sets it by default) is
+``FullyShardedDataParallel.no_sync`` for FSDP1 and ``set_requires_gradient_sync(False)`` for FSDP2
+(accelerate/accelerator.py ``no_sync``); Lightning Fabric's ``no_backward_sync`` is FSDP1's ``no_sync`` too. FSDP1's
+post-backward hook then returns before the reduce-scatter (torch/distributed/fsdp/_runtime_utils.py
+``_post_backward_hook``: ``if not state._sync_gradients: ... return``;
 ``no_sync``'s note: "FSDP will accumulate the full model gradients (instead of gradient shards) until the
 eventual sync"), and FSDP2's keeps the unsharded gradient (_fully_shard/_fsdp_param_group.py ``post_backward``:
 ``if not self.reduce_grads: ... to_accumulated_grad_if_needed(); return``). So every unit's whole gradient, at
@@ -121,7 +122,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
         # inputs and their gradients to the backward's end (memfit.estimate.fsdp1)
         kept = F1.reentrant_retained(gc, st.hf_legacy_checkpoint, act_in, model.layers) \
             if run.fsdp_version == 1 else 0.0
-        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - saved.head_grad) + g_last, act_bwd),
+        phases += [(g_keep + working + act_in + p.logits_live_during_recompute * (logits - saved.head_grad) + g_last,
+                    act_bwd),
                    (g_keep + working + act_in / model.layers + kept + g_first, act_bwd)]
     else:  # backward in the last layer (all saved + its backward working memory), then at the first layer
         phases += [(g_keep + autocast_copy + act_layers + adapter_acts + act_bwd + layer_bufs + g_last, act_bwd),
@@ -148,7 +150,8 @@ def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, form
     if run.gpu.is_cpu:  # glibc's brk heap: the holes freed tensors leave stay resident (constants.py); they
         # follow the layers' activations each micro-batch allocates (all layers' saved set without checkpointing;
         # with it the same tensors are made in the forward and again, layer by layer, in the recomputation)
-        layer = (saved.act_layers + saved.adapter.intermediates) / (p.checkpoint_extra_layers if run.gc else model.layers)
+        layer = ((saved.act_layers + saved.adapter.intermediates)
+                 / (p.checkpoint_extra_layers if run.gc else model.layers))
         frac = p.fragmentation_cpu if run.method.trains_base else p.fragmentation_cpu_adapters
         return p.fragmentation_cpu_bytes + frac * layer * model.layers
     # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)

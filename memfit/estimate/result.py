@@ -30,7 +30,8 @@ class Estimate:
         self.model, self.hardware, self.strategy = model, hardware, strategy
         self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
         self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
-        self.trainable_parameters, self.floor_memory, self.floor_seconds = trainable_parameters, floor_memory, floor_seconds
+        self.trainable_parameters = trainable_parameters
+        self.floor_memory, self.floor_seconds = floor_memory, floor_seconds
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
         self.attention_backend = attention_backend
         self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training

@@ -37,9 +37,9 @@ class Setup:
     ``copy_b`` (autocast's 16-bit copy); ``value_b``: bytes of a value in the compute dtype."""
 
     __slots__ = ("model", "hardware", "strategy", "profile", "method", "numbers", "gpu", "world", "engine",
-                 "family", "fsdp", "fsdp_version", "precision", "weight_b", "grad_b", "optim_b", "copy_b", "fp32_adapters",
-                 "value_b", "total_params", "gc", "offload_optimizer", "offload_params", "shard_weights",
-                 "shard_grads", "shard_optim")
+                 "family", "fsdp", "fsdp_version", "precision", "weight_b", "grad_b", "optim_b", "copy_b",
+                 "fp32_adapters", "value_b", "total_params", "gc", "offload_optimizer", "offload_params",
+                 "shard_weights", "shard_grads", "shard_optim")
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Profile,
                  method: Any) -> None:

@@ -3,12 +3,11 @@ forms FSDP2 and DeepSpeed use) between forked gloo processes on a CPU, or the GP
 and latency per primitive.
 
 On a CPU (gloo) every figure is the **mean** time per call over a run of back-to-back calls (preemptions
-over 20x the median left out), not the median: a gloo call hands its work from the caller to gloo's run-loop thread and its TCP loop thread (in
-both processes), and on a machine whose cores the ranks fill, a woken thread often waits for a core, so one
-call takes either ~0.5 ms or ~3-4 ms (2 cores, 256 to 176k elements: median 0.7 ms, mean 2.0 ms; docs/time.md
-"Sharded engines on a CPU"). A step pays the sum of its
-calls, i.e. the mean; the median of a few missed the slow mode (0.85 ms against 2.8 ms per all-reduce
-inside a ZeRO-2 step)."""
+over 20x the median left out), not the median: a gloo call hands its work from the caller to gloo's run-loop
+thread and its TCP loop thread (in both processes), and on a machine whose cores the ranks fill, a woken thread
+often waits for a core, so one call takes either ~0.5 ms or ~3-4 ms (2 cores, 256 to 176k elements: median 0.7 ms, mean
+2.0 ms; docs/time.md "Sharded engines on a CPU"). A step pays the sum of its calls, i.e. the mean; the median of a few
+missed the slow mode (0.85 ms against 2.8 ms per all-reduce inside a ZeRO-2 step)."""
 
 from __future__ import annotations
 
@@ -43,10 +42,13 @@ def _collective_rank(rank: int, world: int, init: str, backend: str, conn) -> No
     # FSDP2 and DeepSpeed's parameter gathers use the tensor forms of all-gather / reduce-scatter
     # (all_gather_single / reduce_scatter_single, all_gather_into_tensor): timed on their own
     gathered, full = torch.empty(world * big.numel(), device=device), torch.ones(world * big.numel(), device=device)
-    small_out, small_in = torch.empty(world * small.numel(), device=device), torch.ones(world * small.numel(), device=device)
+    small_out = torch.empty(world * small.numel(), device=device)
+    small_in = torch.ones(world * small.numel(), device=device)
     shard, small_shard = torch.empty_like(big), torch.empty_like(small)
-    ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=r) for o, i, r in ((gathered, big, 4), (small_out, small, 8))]
-    rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=r) for o, i, r in ((shard, full, 4), (small_shard, small_in, 8))]
+    ag = [timer(lambda: dist.all_gather_into_tensor(o, i), reps=r)
+          for o, i, r in ((gathered, big, 4), (small_out, small, 8))]
+    rs = [timer(lambda: dist.reduce_scatter_tensor(o, i), reps=r)
+          for o, i, r in ((shard, full, 4), (small_shard, small_in, 8))]
     shared = concurrency(rank, dist.barrier) if device == "cpu" else None
     if rank == 0:
         wire = big.numel() * 4.0 * (world - 1) / world

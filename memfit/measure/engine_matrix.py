@@ -14,7 +14,6 @@ starting Python, torch and the process group once for many runs keeps them withi
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any

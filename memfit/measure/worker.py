@@ -82,8 +82,6 @@ def prepare_run(spec: dict[str, Any], workdir: Path):
     from memfit.spec.run import run_from_dict
 
     base = run_from_dict(spec["run"], source="measure spec")
-    s = base.strategy
-    world = base.distributed.nproc * base.distributed.nodes
     from memfit.measure.baton import timed_steps
     from memfit.measure.probe import settles_malloc
 

@@ -163,8 +163,8 @@ class Method:
     def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict[str, float]:
         """One layer's work per micro-batch beyond the family's, for the time model (memfit.steptime prices
         it): ``weight_bytes`` moved once per forward whatever the tokens, ``token_forward_bytes`` and
-        ``token_backward_bytes`` per token, host ``forward_ops`` (forward only) and ``ops`` (forward + backward). ``adapted``: the
-        adapted linears' names. Empty: nothing beyond the family."""
+        ``token_backward_bytes`` per token, host ``forward_ops`` (forward only) and ``ops`` (forward + backward).
+        ``adapted``: the adapted linears' names. Empty: nothing beyond the family."""
         return {}
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:

@@ -4,8 +4,8 @@
 ("LoRA+Z2", "LoRA+Z3+GC", "✗"). By default the search uses the levers of that study — full fine-tuning
 or LoRA, DDP/ZeRO-1/2/3, gradient checkpointing, attention kernel, ZeRO-Offload of optimizer
 states — and no QLoRA, MEFT, FSDP or parameter offload, so the table answers "what does the study's recipe
-need here". Pass ``methods``/``offloads``/``zero_stages=None`` to widen it. A cell that fits on no pool of ``hardware``'s
-size may be retried on up to ``max_nodes`` nodes (Falcon-180B needs two 8xV100 nodes).
+need here". Pass ``methods``/``offloads``/``zero_stages=None`` to widen it. A cell that fits on no pool of
+``hardware``'s size may be retried on up to ``max_nodes`` nodes (Falcon-180B needs two 8xV100 nodes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The search space: every combination of levers the planner tries, as validated Strategy objects.
 
 method × gradient checkpointing × attention × engine (DDP, ZeRO-1/2/3, FSDP2 and FSDP1 full_shard/shard_grad_op)
-× offload × loss (standard, chunked cross-entropy), at one precision per device (bf16-mixed where supported, else fp16-mixed; fp32 on the CPU).
+× offload × loss (standard, chunked cross-entropy), at one precision per device (bf16-mixed where supported, else
+fp16-mixed; fp32 on the CPU).
 Keys the user fixes (``fixed``) are held; combinations the Strategy validator refuses (offload without
 an engine, parameter offload without parameter sharding) do not exist and are skipped silently.
 """

@@ -46,7 +46,8 @@ def _llama_style(cfg: dict, name: str, where: str) -> ModelSpec:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
         biases=tuple(lin.name for lin in linears if lin.bias),
         max_positions=int(cfg.get("max_position_embeddings") or 2048), linears=linears,
-        norms_per_layer=4 if mt == "gemma2" else 2, qk_norm=mt == "qwen3", attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
+        norms_per_layer=4 if mt == "gemma2" else 2, qk_norm=mt == "qwen3",
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0), source=where,
     )
 
 

@@ -2,8 +2,8 @@
 
 Plain Python (no torch, no transformers): a preset name, a model folder, a ``config.json`` path or a
 Hugging Face Hub id (``owner/name[@revision]``: its ``config.json`` only, through ``huggingface_hub``'s
-cache, imported on that path alone) becomes a frozen :class:`ModelSpec` with an exact parameter count and the list of per-layer linear
-modules (the names PEFT's ``target_modules`` match), so LoRA trainable counts are exact too.
+cache, imported on that path alone) becomes a frozen :class:`ModelSpec` with an exact parameter count and the list
+of per-layer linear modules (the names PEFT's ``target_modules`` match), so LoRA trainable counts are exact too.
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, gemma, gemma2, granite (Llama-style blocks:
 RMSNorm, RoPE, gated MLP, grouped-query attention; qwen3 adds per-head q/k norms, gemma2 four norms per

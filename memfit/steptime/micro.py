@@ -127,7 +127,8 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     if fp32_stream and e != 4.0:
         layer_bytes += T * kbit_cast_bytes(model, e) * (3.0 if gc else 2.0)
     weight_b, token_b, extra_ops, size = method_work(model, st, adapted, gc)  # e.g. DoRA's weight norm
-    mem_s = L * (layer_bytes + T * token_b) / g.bandwidth(T * h * se) + (L * weight_b / g.bandwidth(size) if weight_b else 0.0)
+    mem_s = L * (layer_bytes + T * token_b) / g.bandwidth(T * h * se) + (L * weight_b / g.bandwidth(size)
+                                                                         if weight_b else 0.0)
     loss_bytes = T * model.vocab * (10 * 4.0 + 2 * e) + T * model.norms_per_layer / 2 * (28.0 + 4.0 * e) * h * 3.0
     if redo_head:  # write, upcast, log-softmax of the recomputed chunk
         loss_bytes += T * model.vocab * (4 * 4.0 + e)

@@ -14,8 +14,6 @@ Two sources, one shape (:class:`Speeds`):
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 

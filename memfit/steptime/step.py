@@ -47,7 +47,8 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
     if st.offload == "optimizer+params":
         pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     seconds = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
-    uploads = 0.0 if cpu else ga * model.layers * method_value(model, st, adapted, "upload_bytes")  # waited for: not overlapped
+    # waited for: not overlapped
+    uploads = 0.0 if cpu else ga * model.layers * method_value(model, st, adapted, "upload_bytes")
     return seconds, uploads / sp.h2d, pcie_b + uploads
 
 
@@ -124,7 +125,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
             "attention_seconds": ga * mb["attention_seconds"],
             "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
             "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
-            "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s, "comm_exposed_seconds": exposed,
+            "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s,
+            "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "upload_seconds": upload_s, "cpu_optimizer_seconds": cpu_opt_s,
             "meft_seconds": meft_s, "engine_seconds": engine_s, "fsdp_copy_seconds": copies_s,
             "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],

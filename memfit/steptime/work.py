@@ -129,8 +129,8 @@ def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[flo
 def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple]:
     """The method's own GEMMs per layer and micro-batch (``Method.extra_layer_work``): (``delta_linears``: a
     second linear per token, e.g. PEFT's LoHa applying its delta weight — (in, out, instances, in the adapter
-    dtype, weight trains) —, ``weight_gemms``: products of weight-sized matrices whatever the tokens, e.g. BOFT's rotation —
-    (m, n, k, forward, backward, instances))."""
+    dtype, weight trains) —, ``weight_gemms``: products of weight-sized matrices whatever the tokens, e.g. BOFT's
+    rotation — (m, n, k, forward, backward, instances))."""
     def compute():
         w = extra_work(model, st, adapted)
         return tuple(w.get("delta_linears", ())), tuple(w.get("weight_gemms", ()))

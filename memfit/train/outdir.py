@@ -99,7 +99,8 @@ def check_same_shapes(out: Path, run) -> None:
     for key in SHAPE_KEYS:
         old, new = getattr(before.strategy, key, None), getattr(run.strategy, key, None)
         if old != new:
-            fmt = (lambda v: ",".join(v) if isinstance(v, (tuple, list)) else v)
+            def fmt(v):
+                return ",".join(v) if isinstance(v, (tuple, list)) else v
             raise ConfigError(f"--resume: strategy.{key} changed from {fmt(old)} to {fmt(new)} since the "
                               f"checkpoint in {out} was written, so it cannot be loaded; resume with "
                               f"strategy.{key}={fmt(old)}, or start anew with --overwrite")

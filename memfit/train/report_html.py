@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import html
 import io
-import math
 from typing import Any, Optional
 
 def _bytes(n: Optional[float]) -> str:
@@ -156,7 +155,8 @@ def render_html(r: Any, figs: Optional[dict[str, str]] = None) -> str:
         p.append(f"<figure>{figs['step_time']}</figure>")
     t = r.step_time
     trows = []
-    ms = (lambda v: f"{v * 1000:.1f} ms")
+    def ms(v):
+        return f"{v * 1000:.1f} ms"
     meas = t.get("measured_step_s")
     for key, label in (("predicted_step_s", "predicted as run"),
                        ("planned_step_s", f"predicted as planned ({t.get('planned_shape', '')})".replace(" ()", ""))):

@@ -213,10 +213,10 @@ RULES: dict[str, Callable] = {**{t: _delta for t in DELTA_LINEAR_TYPES}, "loha.L
 
 
 def _adaption_prompt(cfg: dict, model) -> tuple[dict, float]:
-    """(the work, adapted layers): per adapted layer (adaption_prompt/layer.py AdaptedAttention.forward:151-223, utils.py:72-93): after the
-    attention, q_proj again on the hidden states (and v_proj, unused: position_embeddings are passed), the
-    prompt's keys and values (k_proj, v_proj on adapter_len positions), scores and output against them per
-    head (fp32 softmax, the gate), o_proj on the result; all in the compute dtype (the prompt is not upcast).
+    """(the work, adapted layers): per adapted layer (adaption_prompt/layer.py AdaptedAttention.forward:151-223,
+    utils.py:72-93): after the attention, q_proj again on the hidden states (and v_proj, unused: position_embeddings
+    are passed), the prompt's keys and values (k_proj, v_proj on adapter_len positions), scores and output against them
+    per head (fp32 softmax, the gate), o_proj on the result; all in the compute dtype (the prompt is not upcast).
     Bytes: ~34 h + 28 H L forward per token, 44 h + 40 H L backward; 24 + 30 kernels."""
     h, q, kv, heads, n = model.hidden, model.q_dim, model.kv_dim, model.heads, float(cfg["adapter_len"])
     work = {"linears": ((h, q, False, False), (h, kv / 2.0, False, False), (q, h, False, False),
