@@ -4,6 +4,7 @@ on Llama-3.2-3B on one L40S (PEFT's MetaMathQA setting, pure bf16: fp32 adapters
 import pytest
 
 from memfit.estimate import DEFAULT_PROFILE, estimate
+from memfit.methods.base import NO_WORK, LayerWork
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy
@@ -27,7 +28,7 @@ def _rates(hw):
     return speeds_for(hw, "bf16", "sdpa", DEFAULT_PROFILE).gpu
 
 
-def _layer_work_and_matmul_added(monkeypatch, setting, cfg: dict) -> tuple[dict, float]:
+def _layer_work_and_matmul_added(monkeypatch, setting, cfg: dict) -> tuple[LayerWork, float]:
     """(the method's extra_layer_work, the matmul seconds it adds to the step)."""
     import memfit.methods.peft as peft_method
     from memfit.steptime import work
@@ -37,7 +38,7 @@ def _layer_work_and_matmul_added(monkeypatch, setting, cfg: dict) -> tuple[dict,
     layer_work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
     work._PER_MODEL.clear()
     with_work = estimate(model, hw, st).time["matmul_seconds"]
-    monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: {})
+    monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: NO_WORK)
     work._PER_MODEL.clear()
     without = estimate(model, hw, st).time["matmul_seconds"]
     work._PER_MODEL.clear()
@@ -70,8 +71,8 @@ def test_delta_weight_methods_time_their_second_linear(monkeypatch, setting):
 
     lokr = {"peft_type": "LOKR", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, lokr)
-    assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, True, True), (3072.0, 1024.0, 1.0, True, True))
-    assert layer_work["weight_bytes"] == 12.0 * (3072 * 3072 + 3072 * 1024)
+    assert layer_work.delta_linears == ((3072.0, 3072.0, 1.0, True, True), (3072.0, 1024.0, 1.0, True, True))
+    assert layer_work.weight_bytes == 12.0 * (3072 * 3072 + 3072 * 1024)
     g = _rates(setting[1])
     extra = sum(28 * sum(linear_seconds(T, k, n, g, True, 4.0, True)) for k, n in ((3072, 3072), (3072, 1024)))
     assert added == pytest.approx(extra, rel=1e-9)
@@ -90,10 +91,10 @@ def test_boft_times_its_rotation(monkeypatch, setting):
     boft = {"peft_type": "BOFT", "boft_block_size": 4, "boft_n_butterfly_factor": 1,
             "target_modules": ["q_proj", "v_proj"]}
     layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, boft)
-    assert layer_work["weight_gemms"] == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
-    assert layer_work["delta_linears"] == ((3072.0, 3072.0, 1.0, False, True),) * 2
+    assert layer_work.weight_gemms == ((3072.0, 3072.0, 3072.0, 3.0, 3.0, 1.0),) * 2
+    assert layer_work.delta_linears == ((3072.0, 3072.0, 1.0, False, True),) * 2
     g = _rates(setting[1])
-    assert layer_work["kernels"] == (2 * (768 + 1.0), 2 * 1.0)
+    assert layer_work.kernels == (2 * (768 + 1.0), 2 * 1.0)
     per_linear = 6 * gemm_seconds(3072, 3072, 3072, g, 2.0) + sum(linear_seconds(T, 3072, 3072, g, True, 2.0))
     per_linear += (768 + 1 + 1) * DEFAULT_PROFILE.gemm_kernel_seconds
     assert added == pytest.approx(28 * 2 * per_linear, rel=1e-9)
@@ -108,7 +109,7 @@ def test_randlora_times_its_full_rank_bases(monkeypatch, setting):
 
     cfg = {"peft_type": "RANDLORA", "r": 32, "target_modules": ["q_proj", "v_proj"]}
     layer_work, added = _layer_work_and_matmul_added(monkeypatch, setting, cfg)
-    linears = layer_work["delta_linears"]
+    linears = layer_work.delta_linears
     assert sorted(linears) == sorted([(3072.0, 3072.0, 1.0, True, True), (3072.0, 3072.0, 1.0, True, False),
                                       (3072.0, 1024.0, 1.0, True, False), (1024.0, 1024.0, 1.0, True, True)])
     g = _rates(setting[1])
@@ -124,7 +125,7 @@ def test_osf_times_its_rank_2r_update(setting):
     import memfit.methods.peft as peft_method
 
     cfg = {"peft_type": "OSF", "target_modules": ["q_proj", "k_proj"], "rank_pattern": {"q_proj": 2944, "k_proj": 896}}
-    linears = peft_method.METHOD.extra_layer_work(setting[0], _strategy(cfg), frozenset())["delta_linears"]
+    linears = peft_method.METHOD.extra_layer_work(setting[0], _strategy(cfg), frozenset()).delta_linears
     shapes = sorted((round(k), round(n)) for k, n, share, f32, trains in linears if share == 1.0 and f32 and trains)
     assert len(linears) == 4 and shapes == sorted([(3072, 256), (256, 3072), (3072, 256), (256, 1024)])
 
@@ -142,9 +143,9 @@ def test_every_wrapped_linear_does_loras_elementwise_and_host_work(setting):
            "feedforward_modules": ["down_proj"]}
     st = _strategy(cfg)
     work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
-    assert sorted(work["lora_like"]) == [(3072.0, 1024.0, 1.0), (3072.0, 1024.0, 1.0), (8192.0, 3072.0, 1.0)]
+    assert sorted(work.lora_like) == [(3072.0, 1024.0, 1.0), (3072.0, 1024.0, 1.0), (8192.0, 3072.0, 1.0)]
     # 6 host ops each, and IA3's own count against LoRA's (bench/peft_host_ops.py: 2.29 fewer: no A, B)
-    assert work["ops"] == pytest.approx(3 * (6.0 - 2.29)) and work["dropout"] is False
+    assert work.ops == pytest.approx(3 * (6.0 - 2.29)) and work.dropout is False
     by_hand = 2 * lora_elementwise_bytes(3072, 1024, 2.0, False, True, False) \
         + lora_elementwise_bytes(8192, 3072, 2.0, False, True, False)
     # per token: forward 5e n + (e + 4) k, backward 2e n + 3e k + (e + 4) k:
@@ -168,18 +169,18 @@ def test_weight_rebuilding_methods_by_hand(setting):
 
     qv = 3072 * 3072 + 3072 * 1024
     four = _work(setting, {"peft_type": "FOURIERFT", "target_modules": ["q_proj", "v_proj"], "n_frequency": 1000})
-    assert four["weight_bytes"] == 148.0 * qv and four["sync_ops"] == pytest.approx(2.0 / kernels_per_op())
+    assert four.weight_bytes == 148.0 * qv and four.sync_ops == pytest.approx(2.0 / kernels_per_op())
     wave = _work(setting, {"peft_type": "WAVEFT", "target_modules": ["q_proj", "v_proj"], "n_frequency": 5000})
-    assert wave["weight_bytes"] == 128.0 * qv and wave["sync_ops"] == pytest.approx(16.0 / kernels_per_op())
+    assert wave.weight_bytes == 128.0 * qv and wave.sync_ops == pytest.approx(16.0 / kernels_per_op())
     bat = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64, "init_weights": "bat"})
-    assert sorted((k, n, f32, trains) for k, n, share, f32, trains in bat["delta_linears"]) == \
+    assert sorted((k, n, f32, trains) for k, n, share, f32, trains in bat.delta_linears) == \
         [(3072.0, 1024.0, True, True), (3072.0, 3072.0, True, True)]
-    assert sorted(g[:5] for g in bat["weight_gemms"]) == [(1024.0, 3072.0, 64.0, 1.0, 1.0),
+    assert sorted(g[:5] for g in bat.weight_gemms) == [(1024.0, 3072.0, 64.0, 1.0, 1.0),
                                                           (3072.0, 3072.0, 64.0, 1.0, 1.0)]
-    assert bat["weight_bytes"] == 92.0 * qv
+    assert bat.weight_bytes == 92.0 * qv
     plain = _work(setting, {"peft_type": "MISS", "target_modules": ["q_proj", "v_proj"], "r": 64})
-    assert sorted(x[:2] for x in plain["delta_linears"]) == [(64.0, 1024.0), (64.0, 3072.0)]  # (T x r) @ (r x n)
-    assert plain["token_forward_bytes"] == 2 * 4.0 * 3072 and "weight_bytes" not in plain
+    assert sorted(x[:2] for x in plain.delta_linears) == [(64.0, 1024.0), (64.0, 3072.0)]  # (T x r) @ (r x n)
+    assert plain.token_forward_bytes == 2 * 4.0 * 3072 and plain.weight_bytes == 0
 
 
 def test_token_side_methods_by_hand(setting):
@@ -188,19 +189,19 @@ def test_token_side_methods_by_hand(setting):
     k -> b linear; PSOFT: x @ A @ R @ B in fp32 (A and B frozen), a solve's host sync unless Cayley-Neumann;
     Lily: fp32 k -> r -> n with the experts' combine per forward + backward."""
     c3a = _work(setting, {"peft_type": "C3A", "target_modules": ["q_proj"], "block_size": 64})
-    assert c3a["delta_linears"] == ((3072.0, 4.0 * 3072 / 64, 1.0, True, True),)
-    assert (c3a["token_forward_bytes"], c3a["token_backward_bytes"]) == (86.0 * 3072, 150.0 * 3072)
+    assert c3a.delta_linears == ((3072.0, 4.0 * 3072 / 64, 1.0, True, True),)
+    assert (c3a.token_forward_bytes, c3a.token_backward_bytes) == (86.0 * 3072, 150.0 * 3072)
     oft = _work(setting, {"peft_type": "OFT", "target_modules": ["q_proj"], "r": 32, "oft_block_size": 0})
-    assert oft["delta_linears"] == ((3072.0, 96.0, 1.0, True, True),)
-    assert oft["weight_gemms"] == ((3072.0, 96.0, 96.0, 3.0, 6.0, 1.0),) and oft["weight_bytes"] == 76 * 4 * 3072 * 96
+    assert oft.delta_linears == ((3072.0, 96.0, 1.0, True, True),)
+    assert oft.weight_gemms == ((3072.0, 96.0, 96.0, 3.0, 6.0, 1.0),) and oft.weight_bytes == 76 * 4 * 3072 * 96
     psoft = _work(setting, {"peft_type": "PSOFT", "target_modules": ["q_proj"], "r": 256})
-    assert [x[:2] + x[3:] for x in psoft["delta_linears"]] == [(3072.0, 256.0, True, False), (256.0, 256.0, True, True),
+    assert [x[:2] + x[3:] for x in psoft.delta_linears] == [(3072.0, 256.0, True, False), (256.0, 256.0, True, True),
                                                                 (256.0, 3072.0, True, False)]
-    assert psoft["sync_ops"] > 0
+    assert psoft.sync_ops > 0
     fast = _work(setting, {"peft_type": "PSOFT", "target_modules": ["q_proj"], "r": 256, "use_cayley_neumann": True})
-    assert "sync_ops" not in fast
+    assert fast.sync_ops == 0
     lily = _work(setting, {"peft_type": "LILY", "target_modules": ["q_proj"], "r": 896, "num_B": 2, "stride_A": 14})
-    assert lily["weight_bytes"] == (36 * 2 + 16) * 896 * 3072 + 16 * 896 * 3072
+    assert lily.weight_bytes == (36 * 2 + 16) * 896 * 3072 + 16 * 896 * 3072
 
 
 def test_adapter_own_work_by_hand(setting):
@@ -211,19 +212,19 @@ def test_adapter_own_work_by_hand(setting):
     model = setting[0]
     ada = _work(setting, {"peft_type": "ADALORA", "target_modules": ["q_proj"], "init_r": 64, "target_r": 32,
                           "total_step": 1000})
-    assert ada["delta_linears"] == ((3072.0, 64.0, 1.0, True, True), (64.0, 3072.0, 1.0, True, True))
+    assert ada.delta_linears == ((3072.0, 64.0, 1.0, True, True), (64.0, 3072.0, 1.0, True, True))
     vb = _work(setting, {"peft_type": "VBLORA", "target_modules": ["q_proj", "v_proj"], "r": 4, "num_vectors": 256,
                          "vector_length": 256, "topk": 2})
     from memfit.methods.peft.work import kernels_per_op
 
-    assert vb["sync_ops"] == pytest.approx(2.0 / kernels_per_op())
+    assert vb.sync_ops == pytest.approx(2.0 / kernels_per_op())
     ap = _work(setting, {"peft_type": "ADAPTION_PROMPT", "adapter_len": 100, "adapter_layers": 14,
                          "target_modules": "self_attn"})
     h, kv = 3072.0, 1024.0
-    assert [x[:2] for x in ap["delta_linears"]] == [(h, h), (h, kv / 2), (h, h), (h, 200.0)]
-    assert all(share == 0.5 and not f32 for _, _, share, f32, _ in ap["delta_linears"])  # 14 of 28 layers
-    assert ap["weight_gemms"] == ((100.0, kv, h, 2.0, 2.0, 0.5),)
-    assert ap["token_forward_bytes"] == pytest.approx(0.5 * (34 * h + 28 * 24 * 100))
+    assert [x[:2] for x in ap.delta_linears] == [(h, h), (h, kv / 2), (h, h), (h, 200.0)]
+    assert all(share == 0.5 and not f32 for _, _, share, f32, _ in ap.delta_linears)  # 14 of 28 layers
+    assert ap.weight_gemms == ((100.0, kv, h, 2.0, 2.0, 0.5),)
+    assert ap.token_forward_bytes == pytest.approx(0.5 * (34 * h + 28 * 24 * 100))
     assert model.heads == 24
 
 
@@ -235,14 +236,14 @@ def test_loha_gralora_randlora_boft_by_hand(setting):
     from memfit.methods.peft.work import kernels_per_op
 
     loha = _work(setting, {"peft_type": "LOHA", "target_modules": ["q_proj"], "r": 32})
-    assert loha["weight_gemms"] == ((3072.0, 3072.0, 32.0, 2.0, 6.0, 1.0),) and loha["weight_bytes"] == 88.0 * 3072 ** 2
+    assert loha.weight_gemms == ((3072.0, 3072.0, 32.0, 2.0, 6.0, 1.0),) and loha.weight_bytes == 88.0 * 3072 ** 2
     gra = _work(setting, {"peft_type": "GRALORA", "target_modules": ["v_proj"], "r": 32})
-    assert [x[:2] for x in gra["delta_linears"]] == [(3072.0, 32.0), (32.0, 1024.0)]
-    assert (gra["token_forward_bytes"], gra["token_backward_bytes"]) == (14.0 * 1024, 6.0 * 1024 + 8.0 * 3072)
+    assert [x[:2] for x in gra.delta_linears] == [(3072.0, 32.0), (32.0, 1024.0)]
+    assert (gra.token_forward_bytes, gra.token_backward_bytes) == (14.0 * 1024, 6.0 * 1024 + 8.0 * 3072)
     rand = _work(setting, {"peft_type": "RANDLORA", "target_modules": ["q_proj"], "r": 32})
-    assert rand["weight_bytes"] == 36.0 * 3072 * 3072
+    assert rand.weight_bytes == 36.0 * 3072 * 3072
     boft = _work(setting, {"peft_type": "BOFT", "target_modules": ["q_proj", "v_proj"], "boft_block_size": 4})
-    assert boft["upload_bytes"] == 2 * 8.0 * 3072 ** 2 and boft["sync_ops"] == pytest.approx(4.0 / kernels_per_op())
+    assert boft.upload_bytes == 2 * 8.0 * 3072 ** 2 and boft.sync_ops == pytest.approx(4.0 / kernels_per_op())
 
 
 def test_boft_upload_is_priced_on_the_host_link(setting):
@@ -262,8 +263,8 @@ def test_loras_form_at_the_configs_rank(setting):
     PVeRA's shared projections are frozen (no weight gradient; PVeRA's B takes the r / 2 mean half), UniLoRA's
     and DeLoRA's A and B train."""
     vera = _work(setting, {"peft_type": "VERA", "target_modules": ["v_proj"], "r": 256})
-    assert vera["delta_linears"] == ((3072.0, 256.0, 1.0, True, False), (256.0, 1024.0, 1.0, True, False))
+    assert vera.delta_linears == ((3072.0, 256.0, 1.0, True, False), (256.0, 1024.0, 1.0, True, False))
     pvera = _work(setting, {"peft_type": "PVERA", "target_modules": ["v_proj"], "r": 256})
-    assert pvera["delta_linears"] == ((3072.0, 256.0, 1.0, True, False), (128.0, 1024.0, 1.0, True, False))
+    assert pvera.delta_linears == ((3072.0, 256.0, 1.0, True, False), (128.0, 1024.0, 1.0, True, False))
     delora = _work(setting, {"peft_type": "DELORA", "target_modules": ["v_proj"], "r": 32})
-    assert delora["delta_linears"] == ((3072.0, 32.0, 1.0, True, True), (32.0, 1024.0, 1.0, True, True))
+    assert delora.delta_linears == ((3072.0, 32.0, 1.0, True, True), (32.0, 1024.0, 1.0, True, True))

@@ -97,6 +97,27 @@ class AdapterMemory(NamedTuple):
 NO_ADAPTER = AdapterMemory()
 
 
+class LayerWork(NamedTuple):
+    """One decoder layer's work per micro-batch beyond the method family's (:meth:`Method.extra_layer_work`),
+    priced by memfit.steptime on every device."""
+
+    weight_bytes: float = 0.0          # moved once per forward whatever the tokens (twice under checkpointing)
+    token_forward_bytes: float = 0.0   # per token, forward (again under checkpointing)
+    token_backward_bytes: float = 0.0  # per token, backward
+    forward_ops: float = 0.0           # host ops of the forward only
+    ops: float = 0.0                   # host ops, forward + backward
+    delta_linears: tuple = ()          # a second linear per token: (in, out, instances, in the adapter dtype, trains)
+    weight_gemms: tuple = ()           # weight-sized products: (m, n, k, forward, backward, instances)
+    kernels: tuple = (0.0, 0.0)        # small kernels beyond the GEMMs: (forward, backward)
+    upload_bytes: float = 0.0          # converted on the host and copied to the device, waited for
+    sync_ops: float = 0.0              # host synchronisations, in module-level host ops
+    lora_like: tuple = ()              # wrapped linears doing LoRA's elementwise work: (in, out, instances)
+    dropout: bool = False              # those wrappers apply dropout
+
+
+NO_WORK = LayerWork()
+
+
 class Method:
     """A fine-tuning method. Subclasses set the class attributes and override the steps they change."""
 
@@ -160,12 +181,10 @@ class Method:
         adapter dtype, 0 when there is none)."""
         return 0.0
 
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict[str, float]:
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
         """One layer's work per micro-batch beyond the family's, for the time model (memfit.steptime prices
-        it): ``weight_bytes`` moved once per forward whatever the tokens, ``token_forward_bytes`` and
-        ``token_backward_bytes`` per token, host ``forward_ops`` (forward only) and ``ops`` (forward + backward).
-        ``adapted``: the adapted linears' names. Empty: nothing beyond the family."""
-        return {}
+        it). ``adapted``: the adapted linears' names. ``NO_WORK``: nothing beyond the family."""
+        return NO_WORK
 
     def prompt_tokens(self, model: Any, strategy: Any) -> int:
         """Virtual tokens the method puts in front of every sequence (PEFT's prompt tuning): every layer, the

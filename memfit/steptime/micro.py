@@ -21,8 +21,8 @@ from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import gemm_seconds, linear_seconds
 from memfit.steptime.host import host_seconds, zero3_hook_seconds
 from memfit.steptime.rates import GpuRates
-from memfit.steptime.work import (adapted_width, elementwise_cached, kbit_cast_bytes, linear_area,
-                                  lora_elementwise_bytes, method_gemms, method_kernels, method_value, method_work,
+from memfit.steptime.work import (adapted_width, elementwise_cached, extra_work, kbit_cast_bytes, linear_area,
+                                  lora_elementwise_bytes, method_gemms, method_kernels, method_work,
                                   per_model)
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
@@ -143,7 +143,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
     host = host_seconds(model, len(adapted), st.attention == "eager", gc, qlora, engine, profile, grad_tensors,
                         st.grad_accum) + L * extra_ops * profile.gpu_host_op_seconds
     serial = zero3_hook_seconds(model, gc, profile) if engine == "zero3" else 0.0
-    serial += L * method_value(model, st, adapted, "sync_ops") * profile.gpu_host_op_seconds  # e.g. FourierFT's uploads
+    serial += L * extra_work(model, st, adapted).sync_ops * profile.gpu_host_op_seconds  # e.g. FourierFT's uploads
     return {"seconds": max(device, host) + serial, "device_seconds": device, "matmul_seconds": dense_s + adapter_s,
             "attention_seconds": attn_s, "memory_bound_seconds": mem_s, "dequant_seconds": dequant_s,
             "dispatch_seconds": host + serial, "dense_flops": dense, "attention_flops": attn, "adapter_flops": adapter}

@@ -22,7 +22,7 @@ from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
 from memfit.steptime.measured import micro_batch
 from memfit.steptime.micro import micro_batch as gpu_micro_batch
 from memfit.steptime.speeds import speeds_for
-from memfit.steptime.work import method_value
+from memfit.steptime.work import extra_work
 
 
 def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
@@ -48,7 +48,7 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
         pcie_b += ga * (3.0 if st.gradient_checkpointing and not fsdp else 2.0) * gather_bytes / n  # per gather
     seconds = (pcie_b / sp.h2d if pcie_b and not cpu else 0.0) * (1.0 - p.overlap_offload)
     # waited for: not overlapped
-    uploads = 0.0 if cpu else ga * model.layers * method_value(model, st, adapted, "upload_bytes")
+    uploads = 0.0 if cpu else ga * model.layers * extra_work(model, st, adapted).upload_bytes
     return seconds, uploads / sp.h2d, pcie_b + uploads
 
 

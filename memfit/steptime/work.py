@@ -5,6 +5,7 @@ both price these counts at their own speeds."""
 from __future__ import annotations
 
 from memfit.methods import METHODS
+from memfit.methods.base import NO_WORK, LayerWork
 from memfit.spec.model import ModelSpec
 
 _PER_MODEL: dict = {}
@@ -97,11 +98,11 @@ def adapted_width(model: ModelSpec, adapted: frozenset) -> float:
         sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)))
 
 
-def extra_work(model: ModelSpec, st, adapted: frozenset) -> dict:
+def extra_work(model: ModelSpec, st, adapted: frozenset) -> LayerWork:
     """``Method.extra_layer_work`` of the run's method, called once per model, method and adapted set."""
     return per_model(("extra-work", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
                      lambda: METHODS[st.method].extra_layer_work(model, st, adapted) if st.method in METHODS
-                     else {})
+                     else NO_WORK)
 
 
 def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[float, float, float, float]:
@@ -110,18 +111,15 @@ def method_work(model: ModelSpec, st, adapted: frozenset, gc: bool) -> tuple[flo
     bytes per token, host ops in forward + backward units, the size of one weight-sized transfer)."""
     def compute():
         w = extra_work(model, st, adapted)
-        if not w:
+        if w == NO_WORK:
             return 0.0, 0.0, 0.0, 0.0
         fwd = 2.0 if gc else 1.0
-        ops = w.get("forward_ops", 0.0) * RECOMPUTE_DISPATCH * fwd + w.get("ops", 0.0) * (
-            1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))
+        ops = w.forward_ops * RECOMPUTE_DISPATCH * fwd + w.ops * (1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))
         largest = max([4.0 * x.in_features * x.out_features for x in model.linears if x.name in adapted]
-                      + [4.0 * d[0] * d[1] for d in w.get("delta_linears", ())], default=1.0)
+                      + [4.0 * d[0] * d[1] for d in w.delta_linears], default=1.0)
         e = 4.0 if st.precision == "fp32" else 2.0  # method=peft's wrapped linears: LoRA's elementwise work
-        like = sum(share * lora_elementwise_bytes(k, n, e, bool(w.get("dropout")), e != 4.0, gc)
-                   for k, n, share in w.get("lora_like", ()))
-        return (w.get("weight_bytes", 0.0) * fwd, w.get("token_forward_bytes", 0.0) * fwd
-                + w.get("token_backward_bytes", 0.0) + like, ops, largest)
+        like = sum(share * lora_elementwise_bytes(k, n, e, w.dropout, e != 4.0, gc) for k, n, share in w.lora_like)
+        return (w.weight_bytes * fwd, w.token_forward_bytes * fwd + w.token_backward_bytes + like, ops, largest)
     return per_model(("method-work", id(model), st.method, getattr(st, "peft_config", None), adapted, gc,
                       st.precision), model, compute)
 
@@ -133,20 +131,12 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
     rotation — (m, n, k, forward, backward, instances))."""
     def compute():
         w = extra_work(model, st, adapted)
-        return tuple(w.get("delta_linears", ())), tuple(w.get("weight_gemms", ()))
+        return w.delta_linears, w.weight_gemms
     return per_model(("method-gemms", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
                      compute)
-
-
-def method_value(model: ModelSpec, st, adapted: frozenset, key: str) -> float:
-    """One per-layer, per-micro-batch figure of ``Method.extra_layer_work`` (0 where the method has none):
-    ``sync_ops`` — host synchronisations in module-level host ops (e.g. FourierFT's blocking upload of its
-    indices every forward: the device drains, then waits for the host's next launch); ``upload_bytes`` —
-    bytes the host converts and copies to the device, waiting for them (e.g. BOFT's permutation on the CPU)."""
-    return float(extra_work(model, st, adapted).get(key, 0.0))
 
 
 def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:
     """Small kernels the method launches per layer and micro-batch beyond its GEMMs (forward, backward), e.g.
     BOFT's block-diagonal build without PEFT's CUDA extension: one copy per block (``Method.extra_layer_work``)."""
-    return tuple(extra_work(model, st, adapted).get("kernels", (0.0, 0.0)))
+    return extra_work(model, st, adapted).kernels

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.methods.base import LayerWork
 from memfit.methods.lora import Lora
 
 
@@ -60,14 +61,14 @@ class Dora(Lora):
         return layers * (tokens * outs * (base_b + adapter_bytes) + weights)
 
 
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict[str, float]:
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
         a = 4.0  # PEFT keeps the adapters in fp32 (autocast_adapter_dtype) and casts the input to them
         linears = [x for x in model.linears if x.name in adapted]
-        return {"weight_bytes": sum(x.count * (2.0 * a * x.in_features ** 2 + (8.0 * a + 2.0) * x.in_features
-                                               * x.out_features) for x in linears),
-                "token_forward_bytes": sum(x.count * x.active * 26.0 * x.out_features for x in linears),
-                "token_backward_bytes": sum(x.count * x.active * 48.0 * x.out_features for x in linears),
-                "forward_ops": 10.0 * sum(x.count for x in linears), "ops": 6.0 * sum(x.count for x in linears)}
+        return LayerWork(weight_bytes=sum(x.count * (2.0 * a * x.in_features ** 2 + (8.0 * a + 2.0) * x.in_features
+                                                     * x.out_features) for x in linears),
+                         token_forward_bytes=sum(x.count * x.active * 26.0 * x.out_features for x in linears),
+                         token_backward_bytes=sum(x.count * x.active * 48.0 * x.out_features for x in linears),
+                         forward_ops=10.0 * sum(x.count for x in linears), ops=6.0 * sum(x.count for x in linears))
 
 
 METHOD = Dora()

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from memfit.errors import ConfigError
-from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
+from memfit.methods.base import AdapterMemory, LayerWork, Method, Parameters, enable_checkpointing
 from memfit.methods.peft.count import counted, peft_config_object
 from memfit.methods.peft.saved import adaption_prompt_bytes, saved_bytes
 from memfit.methods.peft.work import layer_work
@@ -42,7 +42,7 @@ class Peft(Method):
         # the adapter's frozen additions (VeRA's projections, OSF's SVD factors) beside the base, in its dtype
         return Parameters(float(c["trainable"]), (float(model.parameters) + c["frozen_added"]) * half)
 
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> dict:
+    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
         """The PEFT layer's own GEMMs per decoder layer, for the time model (rules per layer type, read from
         PEFT's code: :mod:`~memfit.methods.peft.work`)."""
         return layer_work(adapter_count(model, strategy), model)

@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from memfit.methods.base import LayerWork
 from memfit.methods.peft.saved import DELTA_LINEAR_TYPES
 
 
@@ -256,7 +257,7 @@ def host_ops(peft_type: str) -> float:
     return max(-GENERIC_OPS, float(_HOST_OPS.get(peft_type, {}).get("ops", 0.0)))
 
 
-def layer_work(count: dict, model) -> dict:
+def layer_work(count: dict, model) -> LayerWork:
     """``Method.extra_layer_work`` for method=peft: per decoder layer, ``delta_linears`` (in, out, instances,
     in the adapter dtype, weight trains), ``weight_gemms`` (m, n, k, forward, backward, instances),
     ``weight_bytes`` and ``kernels`` from the type's rule, and for every wrapped linear its LoRA-like
@@ -282,26 +283,13 @@ def layer_work(count: dict, model) -> dict:
         syncs += got.get("syncs", 0.0) * share
         upload += got.get("upload_bytes", 0.0) * share
         ops += got.get("ops", 0.0) * share
-    out: dict = {}
-    if linears:
-        out["delta_linears"] = tuple(linears)
-    if gemms:
-        out["weight_gemms"] = tuple(gemms)
-    if nbytes:
-        out["weight_bytes"] = nbytes
-    if kf or kb:
-        out["kernels"] = (kf, kb)
-    if tf or tb:
-        out["token_forward_bytes"], out["token_backward_bytes"] = tf, tb
-    if upload:
-        out["upload_bytes"] = upload
-    if syncs:  # each at the host's time of one kernel launch, in module-level ops
-        out["sync_ops"] = syncs / kernels_per_op()
+    lora_like = tuple(generic)
+    dropout = bool(generic) and any(key.endswith("dropout") and isinstance(v, (int, float)) and v > 0
+                                    for key, v in cfg.items())
     if generic:
-        out["lora_like"] = tuple(generic)
-        out["dropout"] = any(key.endswith("dropout") and isinstance(v, (int, float)) and v > 0
-                             for key, v in cfg.items())
-        out["ops"] = GENERIC_OPS * sum(share for _, _, share in generic) + ops
-    elif ops:
-        out["ops"] = ops
-    return out
+        ops += GENERIC_OPS * sum(share for _, _, share in generic)
+    # each sync at the host's time of one kernel launch, in module-level ops
+    return LayerWork(weight_bytes=nbytes, token_forward_bytes=tf, token_backward_bytes=tb, ops=ops,
+                     delta_linears=tuple(linears), weight_gemms=tuple(gemms), kernels=(kf, kb),
+                     upload_bytes=upload, sync_ops=syncs / kernels_per_op() if syncs else 0.0,
+                     lora_like=lora_like, dropout=dropout)
