@@ -157,7 +157,7 @@ MEASURED = ("gemm", "attention", "bandwidth", "op_seconds", "optimizer", "copies
 KEEP = 5  # calibrations kept in the profile's history
 # only calibrations within this many seconds of the newest enter the median: a shared machine's speed moves
 # by +-20-30 % within minutes (what the median smooths) but also by up to 2x between phases lasting hours
-# (the small-op cost here read 26 us one evening and 11 us the next night; docs/time.md)
+# (the small-op cost here read 26 us one evening and 11 us the next night; docs/time-log.md)
 WINDOW_SECONDS = 2 * 3600.0
 
 
@@ -171,7 +171,7 @@ def recent(history: list) -> list:
 
 # figures merged by their mean: how much slower N processes run side by side (collectives' "concurrency") is
 # a two-state mixture on a shared host: 1.0x, or ~1.9x for seconds at a time while the host runs both vCPUs
-# on one core (1 calibration in 8 caught it in each of the grid runs tg21 and tg22; docs/time.md). A run
+# on one core (1 calibration in 8 caught it in each of the grid runs tg21 and tg22; docs/time-log.md). A run
 # lasting minutes meets the mixture's mean; the median of a few calibrations reads 1.0 and misses it.
 MEAN_FIGURES = ("concurrency",)
 

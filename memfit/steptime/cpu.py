@@ -6,7 +6,7 @@ chunks freed, up to ``DEFAULT_MMAP_THRESHOLD_MAX`` = 4 MiB x sizeof(long) = 32 M
 ``MALLOC_MMAP_THRESHOLD_`` fixes it. PyTorch's CPU allocator calls malloc directly (no caching), so every
 such tensor is new memory: the kernel maps and zeroes each page on its first touch. Measured on this
 project's 2-core VM: eager attention at s = 1024 (33.5 MB scores) spent ~35 % of its step there
-(1,482 vs 954 ms with the threshold raised above the scores; docs/time.md).
+(1,482 vs 954 ms with the threshold raised above the scores; docs/time-log.md).
 
 Which tensors: the b·H·s² score matrices of eager attention (its matmul, scale, mask add and fp32 softmax
 outputs in the forward, three gradients in the backward), the b·s·V logits around the loss (the head's

@@ -129,7 +129,7 @@ class Speeds:
         """FLOP/s of eager attention's two batched products (q·kᵀ, p·v) at ``head_dim``, where the calibration
         timed them at two head dims: seconds per score = a + b·d, as SDPA's (their outputs, b·H·s² scores
         and b·H·s·d values, do not shrink with d: at equal FLOPs d = 16 ran at 17-30 GFLOP/s on this CPU where
-        d = 32 ran at 36-42 and d = 64 at 47-49; docs/time.md)."""
+        d = 32 ran at 36-42 and d = 64 at 47-49; docs/time-log.md)."""
         if not (self.eager_bmm_half_d and self.eager_head_dim and head_dim):
             return self.eager_bmm
         return at_head_dim(self.eager_bmm, self.eager_bmm_half_d, self.eager_head_dim, head_dim)
