@@ -23,6 +23,11 @@ on seeds 0-2 (with ``--resume`` the seed-0 runs of ``gap`` are reused from the w
 
 Each finished group is written at once to bench/results/meft_knowledge_ablation_<date>.json (``--out``);
 groups already in it are skipped on a rerun (``--redo`` runs them again).
+
+Its recorded results (bench/results/meft_knowledge_ablation_2026-12-02.json) are of the 2026-12-02 machine,
+whose base was pre-trained in the run on the task of that day; a rerun now starts from the shipped base
+(bench/assets/meft_base/, bench/meft_knowledge_base.py) and its ``recall`` is the test entities' (the bench's
+fair protocol); the ablation's rates are still picked as its groups say, by that recall.
 """
 
 from __future__ import annotations

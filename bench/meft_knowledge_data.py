@@ -16,6 +16,7 @@ so one batched forward pass scores many questions.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,12 @@ class TaskSize:
     copy_eval: int = 64          # control task examples evaluated (never trained on)
 
 
+# The new entities' facts are all trained on; the first VAL_SHARE of the new entities (in the task's fixed
+# order, rounded up) are the validation entities, whose recall picks the learning rate; the rest are the
+# test entities, whose recall is reported. 32 new entities: 8 validation (32 facts), 24 test (96 facts).
+VAL_SHARE = 0.25
+
+
 def vocabulary() -> list[str]:
     """Every word the task uses (a word-level tokenizer: one token per word)."""
     words = SPECIALS + TEMPLATE.replace("{r}", "").replace("{e}", "").split() + list(RELATIONS)
@@ -48,9 +55,11 @@ def vocabulary() -> list[str]:
     return list(dict.fromkeys(words))
 
 
-def entity_names(n: int, rng: random.Random) -> list[str]:
-    """n distinct one-token names of two syllables (``zoka``), drawn from the 700 the vocabulary has."""
-    return rng.sample([a + b for a in SYLLABLES for b in SYLLABLES[:10]], n)
+def entity_names(rng: random.Random) -> list[str]:
+    """The 700 one-token names of two syllables (``zoka``) the vocabulary has, in a shuffled order."""
+    names = [a + b for a in SYLLABLES for b in SYLLABLES[:10]]
+    rng.shuffle(names)
+    return names
 
 
 def fact_records(entities: list[str], rng: random.Random) -> list[dict]:
@@ -59,7 +68,8 @@ def fact_records(entities: list[str], rng: random.Random) -> list[dict]:
     for e in entities:
         for rel, prefix in RELATIONS.items():
             value = f"{prefix}{rng.randrange(VALUES_PER_RELATION)}"
-            out.append({"prompt": TEMPLATE.format(r=rel, e=e), "completion": " " + value, "kind": rel})
+            out.append({"prompt": TEMPLATE.format(r=rel, e=e), "completion": " " + value, "kind": rel,
+                        "entity": e})
     return out
 
 
@@ -76,16 +86,22 @@ def copy_records(n: int, rng: random.Random, exclude: set) -> list[dict]:
 
 
 def make_task(size: TaskSize = TaskSize(), seed: int = 0) -> dict[str, list[dict]]:
-    """{"pretrain", "new_facts", "copy_train", "copy_eval"}: deterministic in ``seed``; the entities of
-    pretrain and new_facts are disjoint, and so are the copy strings of every split."""
-    rng = random.Random(seed)
-    names = entity_names(size.old_entities + size.new_entities, rng)
-    old, new = names[: size.old_entities], names[size.old_entities:]
-    used: set = set()
-    copy_pre = copy_records(4 * size.copy_train, rng, used)
-    copy_train = copy_records(size.copy_train, rng, used)
-    copy_eval = copy_records(size.copy_eval, rng, used)
-    return {"pretrain": fact_records(old, rng) + copy_pre, "new_facts": fact_records(new, rng),
+    """{"pretrain", "new_facts", "new_val", "new_test", "copy_train", "copy_eval"}: deterministic in ``seed``;
+    the entities of pretrain and new_facts are disjoint, and so are the copy strings of every split.
+    Names, old facts, new facts and copy strings come from separate random streams, so the pre-training set
+    does not depend on ``new_entities`` (one shipped base serves every size) and a larger new set begins
+    with the smaller one's entities and facts. new_val / new_test split new_facts by entity (VAL_SHARE)."""
+    names = entity_names(random.Random(f"{seed}-names"))
+    old, new = names[: size.old_entities], names[size.old_entities: size.old_entities + size.new_entities]
+    crng, used = random.Random(f"{seed}-copy"), set()
+    copy_pre = copy_records(4 * size.copy_train, crng, used)
+    copy_train = copy_records(size.copy_train, crng, used)
+    copy_eval = copy_records(size.copy_eval, crng, used)
+    facts = fact_records(new, random.Random(f"{seed}-new"))
+    val = set(new[: math.ceil(len(new) * VAL_SHARE)])
+    return {"pretrain": fact_records(old, random.Random(f"{seed}-old")) + copy_pre, "new_facts": facts,
+            "new_val": [r for r in facts if r["entity"] in val],
+            "new_test": [r for r in facts if r["entity"] not in val],
             "copy_train": copy_train, "copy_eval": copy_eval}
 
 
