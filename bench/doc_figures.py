@@ -122,6 +122,32 @@ def memory_groups(mem: dict, time: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def memory_groups_in_sample(mem: dict, time: dict) -> str:
+    lines = ["| group | figures | median \\|e\\| | max \\|e\\| | > 10 % under | OOM called fitting "
+             "| ran, called not fitting |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, v: dict, b: str = "") -> str:
+        return (f"| {b}{name}{b} | {b}{v['figures']}{b} | {b}{v['median_abs_pct']:.1f} %{b} | "
+                f"{b}{v['max_abs_pct']:.1f} %{b} | {b}{v['under_10']}{b} | "
+                f"{b}{v['oom_called_fitting']} of {v['oom_runs']}{b} | "
+                f"{b}{v['ran_called_not_fitting']} of {v['ran_runs']}{b} |")
+    lines += [row(g, v) for g, v in mem["groups_in_sample"].items()]
+    lines.append(row("overall, in-sample", mem["overall"]["in_sample"], "**"))
+    return "\n".join(lines) + "\n"
+
+
+def time_groups(mem: dict, time: dict) -> str:
+    lines = ["| group | rows | in-sample median / max | left out median / max | basis | τ (configurations) |",
+             "|---|---|---|---|---|---|"]
+    for g, v in time["by_group"].items():
+        taus = ", ".join(f"{mg} {t:+.2f} ({n})" for mg, (t, n) in v["kendall"].items()) or "–"
+        name, bold = ("**all**", "**") if g == "all" else (g, "")
+        ins, out = (f"{bold}{v[k][0]:.1f} % / {v[k][1]:.1f} %{bold}" for k in ("in_sample", "left_out"))
+        lines.append(f"| {name} | {bold}{v['rows']}{bold} | {ins} | {out} | {LABEL[v['basis']]} | "
+                     f"{'' if g == 'all' else taus} |")
+    return "\n".join(lines) + "\n"
+
+
 def time_kinds(mem: dict, time: dict) -> str:
     lines = ["| kind | rows | leave-one-group-out | median \\|e\\| | basis | hand-set constants it rests on |",
              "|---|---|---|---|---|---|"]
@@ -157,7 +183,8 @@ def readings(side: str):
 
 
 RENDER = {"memory-bar": memory_bar, "time-bar": time_bar, "h200-time": h200_time, "memory-kinds": memory_kinds,
-          "memory-groups": memory_groups, "time-kinds": time_kinds, "peft-bars": peft_bars,
+          "memory-groups": memory_groups, "memory-groups-in-sample": memory_groups_in_sample,
+          "time-groups": time_groups, "time-kinds": time_kinds, "peft-bars": peft_bars,
           "memory-readings": readings("memory"), "time-readings": readings("time")}
 
 

@@ -243,6 +243,7 @@ def accuracy(path: Path = DEFAULT_FILE, checks: list[Path] | None = None, *, cas
             "noise_floor": noise_floor(cases),
             "overall": {"left_out": _overall(cases, results), "in_sample": _overall(cases, in_sample)},
             "groups_left_out": _groups(cases, results, record),
+            "groups_in_sample": _groups(cases, in_sample, record, basis="in_sample"),
             "counts": _counts(cases),
             "held_out_readings": [r for r in holdout_score.readings() if r["side"] == "memory"],
             "rows": sum(v["rows"] for v in kinds.values()),  # runs with a compared figure
@@ -266,14 +267,15 @@ def _overall(cases: list[Case], results: list[dict]) -> dict:
             "ran_called_not_fitting": len(s["ran_called_not_fitting"])}
 
 
-def _groups(cases: list[Case], results: list[dict], record: dict) -> dict:
-    """Per source group, its figures predicted with the constants fitted without it, and its basis."""
+def _groups(cases: list[Case], results: list[dict], record: dict, basis: str | None = None) -> dict:
+    """Per source group, its figures' errors in ``results`` and their basis (``basis`` given: that one, e.g.
+    in_sample for the Profile's defaults; else the group's from bench/provenance.json)."""
     out = {}
     for g in sorted({c.group for c in cases}):
         mine = [r for r in results if r["group"] == g]
         if any(r["error"] is not None for r in mine):
             out[g] = {**_overall([c for c in cases if c.group == g], mine),
-                      "basis": provenance.group_basis("memory", g, record)}
+                      "basis": basis or provenance.group_basis("memory", g, record)}
     return out
 
 

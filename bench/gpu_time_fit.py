@@ -204,7 +204,21 @@ def accuracy(cases: list[TimeCase], record: dict | None = None) -> dict:
             "held_out_readings": [r for r in holdout_score.readings() if r["side"] == "time"],
             "overall_is": "the named methods' rows (full, LoRA, QLoRA, DoRA); method=peft rows are scored apart",
             "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds, record),
+            "by_group": group_table([jud[i] for i in five], [preds[i] for i in five], record),
             "peft_methods": peft_methods(jud, preds), "command": "python bench/gpu_time_fit.py --write"}
+
+
+def group_table(cases: list[TimeCase], left_out: list[float], record: dict) -> dict:
+    """Per source group of the named methods' rows: in-sample and left-out median / max |error| (%), its basis,
+    and Kendall tau per model group (in-sample)."""
+    ins, out = by_group(cases, [predict(c) for c in cases]), by_group(cases, left_out)
+    def pair(s: dict) -> list:
+        return [round(100 * s["median_abs"], 1), round(100 * s["max_abs"], 1)]
+
+    return {g: {"rows": ins[g]["n"], "in_sample": pair(ins[g]), "left_out": pair(out[g]),
+                "basis": provenance.basis("time", {c.group for c in cases} if g == "all" else {g}, record)["basis"],
+                "kendall": {} if g == "all" else {mg.split("/", 1)[1]: [round(k["tau"], 2), k["configs"]]
+                                                  for mg, k in ins[g]["kendall"].items()}} for g in ins}
 
 
 def _pct(x) -> str:

@@ -1,5 +1,6 @@
 """A stand-in for the few ``torch.cuda`` calls memfit makes (counters, events, streams), for running its CUDA
-code paths on a CPU: tests/test_cuda_paths.py and tests/test_cuda_meft.py. ``monkeypatch.setattr`` refuses a
+code paths on a CPU: tests/estimate/test_cuda_paths.py and tests/meft/test_cuda_meft.py.
+``monkeypatch.setattr`` refuses a
 name torch.cuda does not have, and the fakes' methods are checked against torch's own classes."""
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ PEFT_CONFIGS = (  # one per kind of PEFT work: scaling vectors, delta weights, r
 
 
 def cpu_rates() -> "hwprofile.HardwareRates":
-    """A fixed, hand-made measured-CPU profile (tests/test_time_model.py's values)."""
+    """A fixed, hand-made measured-CPU profile (tests/steptime/test_time_model.py's values)."""
     g = {"small": 1e10, "large": 1e10, "skinny": 1e9, "widths": {"small": 128.0, "large": 1024.0}}
     return hwprofile.HardwareRates(
         device="cpu", measured_at="2026-11-30", cores=2, gemm={"1": {"fp32": g}, "2": {"fp32": g}},

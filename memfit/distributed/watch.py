@@ -3,7 +3,7 @@
 On one node torchrun stops the other workers as soon as one fails. Across nodes nobody does: each node's
 torchrun watches only its own workers, so a rank of node 1 that hangs outside a collective (stuck in data
 loading, a deadlocked thread, the ``hang`` drill) outlives the job for ever after node 0's ranks have
-timed out and ended (seen in tests/test_fault_matrix_full.py: node 1's launcher still running at 180 s).
+timed out and ended (seen in tests/distributed/test_fault_matrix_full.py: node 1's launcher still running at 180 s).
 
 A rank that fails says so in the job's rendezvous store (:func:`mark_failed`, the key ``memfit/failed``),
 and every rank runs a daemon thread (:func:`watch_job`) that reads the store every few seconds through a
@@ -62,7 +62,7 @@ def watch_job(where: str) -> Optional[threading.Thread]:
 
     One thread per process: a process that trains several runs in one job (memfit.measure.engine_matrix)
     keeps the thread the first run started. Six threads, five of them never joined, were alive at the exit
-    of tests/test_chunked_distributed.py's ranks; one caught inside a store call at interpreter shutdown
+    of tests/distributed/test_chunked_distributed.py's ranks; one caught inside a store call at interpreter shutdown
     aborts the process (see :func:`stop_watch`)."""
     global _thread
     if _thread is not None and _thread.is_alive():
@@ -88,7 +88,7 @@ def stop_watch() -> None:
 
     A daemon thread still inside the store's C++ client when the interpreter finalizes is ended by Python
     (pthread_exit as it retakes the GIL) through C++ frames that cannot unwind: std::terminate, "terminate
-    called without an active exception", SIGABRT (tests/test_job_watch.py shows it with a bare thread)."""
+    called without an active exception", SIGABRT (tests/distributed/test_job_watch.py shows it with a bare thread)."""
     global _store, _thread
     _stop.set()
     if _thread is not None and _thread is not threading.current_thread():

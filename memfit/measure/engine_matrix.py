@@ -7,7 +7,7 @@ output in ``<output_dir>/<dir or name>`` (a resumed case names the folder of the
 OUT.json (written by rank 0, atomically, after every case) maps each name to its logged losses, the
 saved adapter/model folder and every rank's model-state bytes (:mod:`memfit.measure.rank_state`).
 
-The CI test of the engines (tests/test_distributed_train.py) and bench/distributed_memory.py use it:
+The CI test of the engines (tests/distributed/test_distributed_train.py) and bench/distributed_memory.py use it:
 starting Python, torch and the process group once for many runs keeps them within their time budget.
 """
 

@@ -5,7 +5,7 @@
   ``attention_max`` x s / (s + ``attention_half_seq``) of the peak, times the share of the SMs its thread
   blocks (one per 128 query rows per head and sequence) keep busy over their waves. Through the FA2 paper's
   A100 forward + backward curve (arXiv 2307.08691, Fig. 6, causal, d = 128, 16k tokens per batch: ~100,
-  ~130, ~155, ~170, ~180 TFLOP/s at 512, 1k, 2k, 4k, 8k) with 0.6 and 400 (tests/test_steptime.py).
+  ~130, ~155, ~170, ~180 TFLOP/s at 512, 1k, 2k, 4k, 8k) with 0.6 and 400 (tests/steptime/test_steptime.py).
   Head dim 64 runs ~15 % slower per FLOP than 128 in the same figures. Parts without FlashAttention-2
   (Volta, Turing) run SDPA's memory-efficient kernel at ``mem_efficient_attention_fraction`` of that rate.
 * **Eager** (transformers' eager_attention_forward): the two batched products q·kᵀ and p·v as GEMMs, over the

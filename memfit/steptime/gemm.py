@@ -14,7 +14,7 @@ time = max(FLOPs at the tile-occupancy rate, bytes at the achieved bandwidth) + 
 
 Checked against XLA's H100 table (bf16, TFLOP/s, measured / here with 5 us and 0.8): 4096³ 783 / 746;
 2048³ 632 / 627; 1024x2048x2048 524 / 530; 1024x1024x2048 350 / 357; 256x2048x4096 286 / 350;
-256x2048x256 42 / 41; 512x256x256 11.5 / 11 (tests/test_steptime.py).
+256x2048x256 42 / 41; 512x256x256 11.5 / 11 (tests/steptime/test_steptime.py).
 """
 
 from __future__ import annotations
