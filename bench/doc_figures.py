@@ -107,33 +107,28 @@ def memory_kinds(mem: dict, time: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def memory_groups(mem: dict, time: dict) -> str:
-    lines = ["| group left out | basis | figures | median \\|e\\| | max \\|e\\| | > 10 % under | OOM called fitting | "
+def _group_table(first: str, groups: dict, total: tuple[str, str, dict]) -> str:
+    """Per source group (and a bold total row): basis, figures, median and max |error|, wrong verdicts."""
+    lines = [f"| {first} | basis | figures | median \\|e\\| | max \\|e\\| | > 10 % under | OOM called fitting | "
              "ran, called not fitting |", "|---|---|---|---|---|---|---|---|"]
-    for g, v in mem["groups_left_out"].items():
-        lines.append(f"| {g} | {LABEL[v['basis']]} | {v['figures']} | {v['median_abs_pct']:.1f} % | "
-                     f"{v['max_abs_pct']:.1f} % | {v['under_10']} | {v['oom_called_fitting']} of {v['oom_runs']} | "
-                     f"{v['ran_called_not_fitting']} of {v['ran_runs']} |")
-    o = mem["overall"]["left_out"]
-    lines.append(f"| **all** | **{LABEL[mem['basis']]}** | **{o['figures']}** | **{o['median_abs_pct']:.1f} %** | "
-                 f"**{o['max_abs_pct']:.1f} %** | **{o['under_10']}** | "
-                 f"**{o['oom_called_fitting']} of {o['oom_runs']}** | "
-                 f"**{o['ran_called_not_fitting']} of {o['ran_runs']}** |")
+
+    def row(name: str, basis: str, v: dict, b: str = "") -> str:
+        cells = (name, LABEL[basis], v["figures"], f"{v['median_abs_pct']:.1f} %", f"{v['max_abs_pct']:.1f} %",
+                 v["under_10"], f"{v['oom_called_fitting']} of {v['oom_runs']}",
+                 f"{v['ran_called_not_fitting']} of {v['ran_runs']}")
+        return "| " + " | ".join(f"{b}{c}{b}" for c in cells) + " |"
+    lines += [row(g, v["basis"], v) for g, v in groups.items()]
+    lines.append(row(*total, "**"))
     return "\n".join(lines) + "\n"
+
+
+def memory_groups(mem: dict, time: dict) -> str:
+    return _group_table("group left out", mem["groups_left_out"], ("all", mem["basis"], mem["overall"]["left_out"]))
 
 
 def memory_groups_in_sample(mem: dict, time: dict) -> str:
-    lines = ["| group | figures | median \\|e\\| | max \\|e\\| | > 10 % under | OOM called fitting "
-             "| ran, called not fitting |", "|---|---|---|---|---|---|---|"]
-
-    def row(name: str, v: dict, b: str = "") -> str:
-        return (f"| {b}{name}{b} | {b}{v['figures']}{b} | {b}{v['median_abs_pct']:.1f} %{b} | "
-                f"{b}{v['max_abs_pct']:.1f} %{b} | {b}{v['under_10']}{b} | "
-                f"{b}{v['oom_called_fitting']} of {v['oom_runs']}{b} | "
-                f"{b}{v['ran_called_not_fitting']} of {v['ran_runs']}{b} |")
-    lines += [row(g, v) for g, v in mem["groups_in_sample"].items()]
-    lines.append(row("overall, in-sample", mem["overall"]["in_sample"], "**"))
-    return "\n".join(lines) + "\n"
+    return _group_table("group", mem["groups_in_sample"],
+                        ("overall, in-sample", "in_sample", mem["overall"]["in_sample"]))
 
 
 def time_groups(mem: dict, time: dict) -> str:

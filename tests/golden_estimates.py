@@ -48,17 +48,10 @@ PEFT_CONFIGS = (  # one per kind of PEFT work: scaling vectors, delta weights, r
 
 
 def cpu_rates() -> "hwprofile.HardwareRates":
-    """A fixed, hand-made measured-CPU profile (tests/steptime/test_time_model.py's values)."""
-    g = {"small": 1e10, "large": 1e10, "skinny": 1e9, "widths": {"small": 128.0, "large": 1024.0}}
-    return hwprofile.HardwareRates(
-        device="cpu", measured_at="2026-11-30", cores=2, gemm={"1": {"fp32": g}, "2": {"fp32": g}},
-        attention={k: {"eager": {"fp32": {"4": 5e9, "16": 1.25e9}}, "sdpa": {"fp32": {"4": 5e9, "16": 5e9}}}
-                   for k in ("1", "2")},
-        bandwidth={"1": 1e10, "2": 1e10}, op_seconds=1e-5,
-        optimizer={"1": {"per_param": 1e-9, "per_tensor": 1e-5}, "2": {"per_param": 1e-9, "per_tensor": 1e-5},
-                   "cpu_torch": 1e-9, "cpu_deepspeed": None},
-        collectives={"2": {"backend": "gloo", "bus_bytes_per_s": 1e9, "latency_s": 1e-4}},
-        overheads={"layer": 1e-3, "model": 2e-3, "adapter": 1e-4, "eager_layer_extra": 5e-4}, fingerprint="golden")
+    """A fixed, hand-made measured-CPU profile (tests/steptime/test_time_model.py's)."""
+    from tests.steptime.test_time_model import rates
+
+    return rates(fingerprint="golden")
 
 
 def pools() -> dict:
