@@ -92,13 +92,13 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     cpu, steady = cpu_lines(run, states, adapter.host)
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
-    timed = T.step_time(model, hardware, strategy, profile, engine=run.engine, p_t=params.trainable,
-                        adapted=params.adapted,
-                        gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,
-                        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
-                        meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
-                        fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp),
-                        prompt_tokens=method.prompt_tokens(model, strategy), **run.optimizer_dtypes())
+    timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
+        engine=run.engine, p_t=params.trainable, adapted=params.adapted,
+        gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,
+        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
+        meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
+        fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp), prompt_tokens=method.prompt_tokens(model, strategy),
+        **run.optimizer_dtypes()))
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)

@@ -10,7 +10,8 @@ offload traffic and the CPU optimizer, MEFT's transfers and CPU search, the engi
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
@@ -36,6 +37,18 @@ def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
     return float(model.layers * adapted * 2)
 
 
+def _meft_seconds(model: ModelSpec, st: Any, p: Any, sp: Any, traffic: dict, rows: float, cpu: bool) -> float:
+    """MEFT's own time per step: its rows moved (overlapped by ``meft_overlap``), the CPU's expert search and the
+    CPU Adam update of the rows used."""
+    ga = st.grad_accum
+    moved = 0.0 if cpu else traffic["h2d"] / sp.h2d + traffic["d2h"] / sp.d2h
+    experts = traffic["experts"]
+    search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
+    cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
+    cpu_update = ga * model.layers * 2.0 * rows * model.hidden * sp.cpu_adam_per_param
+    return moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+
+
 def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p_t: float, n: int, g_comm: float,
                w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float, float]:
     """(offload seconds, upload seconds, bytes) over the host link per step: offload's gradients down and
@@ -52,16 +65,34 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
     return seconds, uploads / sp.h2d, pcie_b + uploads
 
 
-def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: str, p_t: float,
-              adapted: frozenset, gather_bytes: float, g_comm: float, w_comm: float, shard_o: bool,
-              meft_rows: float = 0.0, meft_traffic: Any = None, fp32_stream: bool = False,
-              fsdp: bool = False, prompt_tokens: int = 0, grad_b: float = 4.0,
-              adam_scale: float = 1.0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StepInputs:
+    """What the memory side resolved that the step's time reads (memfit.estimate builds it once per estimate)."""
+
+    engine: str                  # ddp | zero1 | zero2 | zero3 | sgo (memfit.estimate.setup's engine kind)
+    p_t: float                   # trainable parameters
+    adapted: frozenset           # the adapted linears' names (empty unless LoRA-style)
+    gather_bytes: float          # bytes a full gather moves (FSDP: the compute copy; else the stored weights)
+    g_comm: float                # bytes of a gradient value as reduced
+    w_comm: float                # bytes of a weight value as gathered / uploaded
+    shard_o: bool                # the optimizer state is sharded
+    meft_rows: float = 0.0       # MEFT's rows used per layer
+    meft_traffic: Optional[dict] = None  # MEFT's host <-> device bytes per step (Method.traffic)
+    fp32_stream: bool = False    # QLoRA's fp32 residual stream (prepare_model_for_kbit_training)
+    fsdp: bool = False
+    prompt_tokens: int = 0       # virtual tokens a prompt-learning method puts before every sequence (PEFT's
+    #                              prompt tuning concatenates them to the input embeddings: every layer, the
+    #                              attention and the head process seq_len + these; the tokens counted stay seq_len)
+    grad_b: float = 4.0          # bytes of a gradient value the optimizer reads (Setup.optimizer_dtypes)
+    adam_scale: float = 1.0      # AdamW's bytes per value relative to fp32 (Setup.optimizer_dtypes)
+
+
+def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
-    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``. ``prompt_tokens``:
-    virtual tokens a prompt-learning method puts in front of every sequence (PEFT's prompt tuning / P-tuning:
-    ``PeftModelForCausalLM.forward`` concatenates them to the input embeddings, so every layer, the attention
-    and the head process seq_len + these); they lengthen the micro-batch's shapes, not the tokens counted."""
+    traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
+    engine, p_t, adapted, gather_bytes = w.engine, w.p_t, w.adapted, w.gather_bytes
+    g_comm, w_comm, shard_o, meft_rows = w.g_comm, w.w_comm, w.shard_o, w.meft_rows
+    fp32_stream, fsdp, prompt_tokens = w.fp32_stream, w.fsdp, w.prompt_tokens
     prec, method, ga = st.precision, st.method, st.grad_accum
     shape = st.model_copy(update={"seq_len": st.seq_len + prompt_tokens}) if prompt_tokens else st
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
@@ -79,7 +110,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
     no_sync = fsdp and not getattr(st, "fsdp_sync_each_batch", True)  # accelerate's no_sync (estimate.peak)
-    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync, grad_b, adam_scale)
+    optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync, w.grad_b, w.adam_scale)
     if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
         share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
@@ -102,14 +133,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, *, engine: st
     offload_s, upload_s, pcie_b = _host_link(model, st, p, sp, adapted, p_t, n, g_comm, w_comm, gather_bytes, fsdp, cpu)
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
-    if meft_traffic is not None:
-        traffic["h2d"], traffic["d2h"] = meft_traffic["h2d"], meft_traffic["d2h"]
-        moved = 0.0 if cpu else meft_traffic["h2d"] / sp.h2d + meft_traffic["d2h"] / sp.d2h
-        experts = meft_traffic["experts"]
-        search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
-        cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
-        cpu_update = ga * model.layers * 2.0 * meft_rows * model.hidden * sp.cpu_adam_per_param
-        meft_s = moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
+    if w.meft_traffic is not None:
+        traffic["h2d"], traffic["d2h"] = w.meft_traffic["h2d"], w.meft_traffic["d2h"]
+        meft_s = _meft_seconds(model, st, p, sp, w.meft_traffic, meft_rows, cpu)
     engine_s = step_host_seconds(engine if not fsdp else "fsdp", tensors_t, p) if sp.gpu else 0.0
     engine_s += 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
         engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
