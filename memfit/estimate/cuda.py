@@ -116,7 +116,7 @@ def cap_cached(gap: float, allocated: float, fixed: float, capacity: float, offl
     return firm + min(max(gap - firm, 0.0), max(room, 0.0))
 
 
-def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state: float, nums, half: float,
+def qlora_loading_peak(model: ModelSpec, quantized: bool, sharded: bool, quant_state: float, nums, half: float,
                        p: Profile) -> float:
     """GPU bytes while loading QLoRA's base on one GPU (0 where loading holds no more than training).
 
@@ -127,7 +127,7 @@ def qlora_loading_peak(model: ModelSpec, method: str, sharded: bool, quant_state
     partitions while loading. Under FSDP it depends on where the loading path leaves the quantised model
     before ``fully_shard``: accelerate/utils/fsdp_utils.py:790-797 warns of a "VRAM spike" when Params4bit
     already sit on a GPU. Not modelled there (unmeasured)."""
-    if method != "qlora" or sharded:
+    if not quantized or sharded:
         return 0.0
     other = model.parameters - nums.linear_params
     biggest = max(nums.largest_linear, model.embedding_parameters) * half

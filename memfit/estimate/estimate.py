@@ -85,7 +85,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "step_temporaries": step_temp, "peak_concurrency": static + peak.phase - lines_sum,
                  "overhead": overhead, "total": formula + overhead}
     gpu_loading = 0.0 if gpu.is_cpu else CU.qlora_loading_peak(
-        model, method.family, run.engine == "zero3" or run.fsdp, params.quant_state, run.numbers, run.value_b,
+        model, method.quantized, run.engine == "zero3" or run.fsdp, params.quant_state, run.numbers, run.value_b,
         profile)
 
     # ---- CPU RAM per node -------------------------------------------------------------------------

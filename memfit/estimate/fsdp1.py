@@ -155,16 +155,13 @@ def padding_bytes(model: ModelSpec, world: int, dtype_bytes: int) -> float:
     return (model.layers * layer + root) * dtype_bytes / world
 
 
-# memfit's FSDP1 engine adds PEFT's fsdp_auto_wrap_policy for these methods (memfit/distributed/engines/fsdp.py
-# ``prepare_trainer``): every trainable leaf (lora_A, lora_B) becomes a unit nested in its decoder layer
-ADAPTER_UNIT_METHODS = ("lora", "qlora", "dora")
-
-
-def backward_layers(method: str, gathered_layers: float) -> float:
+def backward_layers(adapter_units: bool, gathered_layers: float) -> float:
     """Decoder layers gathered at once while a layer runs backward: the current + BACKWARD_PRE's prefetched
     (``gathered_layers``, 2) where decoder layers follow each other in post-forward order, 1 where each holds
-    nested adapter units — the prefetch then targets the layer's own last adapter unit (module docstring)."""
-    return 1.0 if method in ADAPTER_UNIT_METHODS else gathered_layers
+    nested adapter units — the prefetch then targets the layer's own last adapter unit (module docstring).
+    ``adapter_units``: the method's ``fsdp_adapter_units`` (memfit's FSDP1 engine installs PEFT's
+    fsdp_auto_wrap_policy for it: memfit/distributed/engines/fsdp.py ``prepare_trainer``)."""
+    return 1.0 if adapter_units else gathered_layers
 
 
 def root_unit(model: ModelSpec, half: float) -> tuple[float, float]:

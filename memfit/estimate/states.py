@@ -129,7 +129,7 @@ def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
     layer_b, _, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
                                        trainable, half, half)
     root_b, head_g = F1.root_unit(model, half)
-    layers = F1.backward_layers(run.method.name, p.gathered_layers)
+    layers = F1.backward_layers(run.method.fsdp_adapter_units, p.gathered_layers)
     if layers < p.gathered_layers:  # PEFT's adapter units: a decoder-layer unit holds the frozen weights only;
         layer_b -= layer_t * half  # its adapters are units of their own, gathered one at a time (a few kB)
     comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one unit's unsharded grads + the reduce-scatter output

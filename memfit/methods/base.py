@@ -138,6 +138,8 @@ class Method:
     # The estimator (memfit.estimate) asks each method for its own memory terms; the engine and phase
     # logic stays there. ``profile`` is memfit.estimate's Profile, ``numbers`` its per-model ModelNumbers.
     fp32_adapters = False    # PEFT keeps the adapters in fp32 on a 16-bit base (unless DeepSpeed casts them)
+    fsdp_adapter_units = False  # under FSDP1 every trainable leaf is a unit nested in its decoder layer (PEFT's
+    #                             fsdp_auto_wrap_policy, which memfit's FSDP1 engine installs for LoRA-style methods)
     quantized = False        # the frozen base is 4-bit: dequantised one linear at a time, NF4 loading peak
 
     def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec
 from memfit.steptime.cpu import fresh_bytes, mmap_threshold
 from memfit.steptime.speeds import Speeds
@@ -126,7 +127,7 @@ def micro_batch(model: ModelSpec, sp: Speeds, st: Any, e: float, full: bool, ada
     if full:  # the embedding's dense gradient: zeroed and scattered into
         mem += 2.0 * 4.0 * model.vocab * model.hidden
     dequant = calls = 0.0
-    if st.method == "qlora":  # every copy dequantised per use (forward, input gradient, recomputation)
+    if METHODS[st.method].quantized:  # every copy dequantised per use (forward, input gradient, recomputation)
         area, calls = _quantized_sums(model)
         dequant = area * L * (3.0 if gc else 2.0)
     # forward + backward at the measured rate, + the forward again under checkpointing at its measured share

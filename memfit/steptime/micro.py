@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec
 from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import gemm_seconds, linear_seconds
@@ -136,7 +137,7 @@ def micro_batch(model: ModelSpec, g: GpuRates, st: Any, e: float, full: bool, ad
         loss_bytes += 2.0 * 4.0 * model.vocab * h
     mem_s += loss_bytes / g.bandwidth(T * model.vocab * 4.0)
     dequant_s = 0.0
-    qlora = st.method == "qlora"
+    qlora = METHODS[st.method].quantized
     if qlora:
         dequant_s = L * (3.0 if gc else 2.0) * _dequant(model, g)
     device = dense_s + adapter_s + attn_s + mem_s + dequant_s

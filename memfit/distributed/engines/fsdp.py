@@ -11,6 +11,7 @@ from memfit.distributed import config as cfgs
 from memfit.distributed.engines.base import (Engine, _sharded_trainer_kwargs, accelerate_file_text,
                                              device_kind, on_cuda, write_text_atomic)
 from memfit.distributed.engines.process import join_process_group
+from memfit.methods import METHODS
 from memfit.spec.run import RunSpec
 
 
@@ -127,7 +128,7 @@ class Fsdp(Engine):
 
             PartialState().device = torch.device("cpu")
             trainer.accelerator.state.device = torch.device("cpu")
-        if run.strategy.method not in ("lora", "qlora", "dora"):
+        if not METHODS[run.strategy.method].fsdp_adapter_units:
             return
         from peft.utils.other import fsdp_auto_wrap_policy
 

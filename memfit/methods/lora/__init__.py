@@ -73,6 +73,7 @@ def modules_to_save_parameters(model: Any, names: tuple) -> tuple[int, bool]:
 
 class Lora(Method):
     name = family = "lora"
+    fsdp_adapter_units = True  # lora_A / lora_B as FSDP1 units (QLoRA and DoRA inherit it)
     fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
     traced = True
     use_dora = False
