@@ -127,3 +127,11 @@ def test_trace_matches_all_linear_like_the_trainer(micro):
     dora = traced_step(str(model), Strategy(method="dora", lora_targets=("all-linear",), **keys))
     assert every["model_states_bytes"] > some["model_states_bytes"]
     assert dora["peak_bytes"] > every["peak_bytes"]
+
+
+def test_which_methods_fsdp1_wraps_as_adapter_units():
+    """memfit's FSDP1 engine installs PEFT's fsdp_auto_wrap_policy, and the estimator gathers one decoder layer in
+    backward, exactly for the LoRA-style methods (Method.fsdp_adapter_units)."""
+    from memfit.methods import METHODS
+
+    assert {n for n, m in METHODS.items() if m.fsdp_adapter_units} == {"lora", "qlora", "dora"}
