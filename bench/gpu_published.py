@@ -365,11 +365,11 @@ def main(argv=None) -> int:
     held = None if args.no_logo and not args.write_accuracy else held_out(cases)
     logo = {} if held is None else leave_one_group_out(cases, held)
     held_overall = None if held is None else summarize(held[0])
-    kinds = by_kind(cases, results) if held is None else accuracy(args.file, checks, cases=cases, held=held)["kinds"]
+    acc = None if held is None else accuracy(args.file, checks, cases=cases, held=held)  # computed once
+    kinds = by_kind(cases, results) if acc is None else acc["kinds"]
     if args.write_accuracy:
-        data = accuracy(args.file, checks, cases=cases, held=held)
-        data = {**{k: data[k] for k in ("source", "command", "files")},
-                "date": datetime.date.today().isoformat(), **data}
+        data = {**{k: acc[k] for k in ("source", "command", "files")},
+                "date": datetime.date.today().isoformat(), **acc}
         args.write_accuracy.write_text(json.dumps(data, indent=1) + "\n")
     if args.json:
         print(json.dumps({"overall": overall, "held_out_overall": held_overall, "groups": per_group, "rows": results,
@@ -436,7 +436,6 @@ def main(argv=None) -> int:
                   f" (median |e| {ins['median_abs_pct']:.1f} %) [{k['basis']}]; wrong verdicts left out: "
                   f"{k['oom_called_fitting']} OOM called fitting, {k['ran_called_not_fitting']} ran called not fitting"
                   f" of {k['verdicts']}")
-        acc = accuracy(args.file, checks, cases=cases, held=held)
         _print_peft_methods(acc["peft_methods"])
         f = acc["noise_floor"]
         print(f"\nnoise floor: {f['configs']} configurations measured more than once differ by median "
