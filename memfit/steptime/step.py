@@ -20,8 +20,8 @@ from memfit.steptime.cpu import mmap_threshold, step_fresh_bytes
 from memfit.steptime.engine_host import engine_host_seconds
 from memfit.steptime.host import step_host_seconds
 from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
-from memfit.steptime.measured import micro_batch
-from memfit.steptime.micro import micro_batch as gpu_micro_batch
+from memfit.steptime.layer import micro_work, shape_for
+from memfit.steptime.price import device_for, price
 from memfit.steptime.speeds import speeds_for
 from memfit.steptime.work import extra_work
 
@@ -100,11 +100,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     e = 4.0 if prec == "fp32" else 2.0
     router = p_t if method == "meft" else 0.0
     tensors_t = trainable_tensors(model, method, len(adapted))
-    if sp.gpu is not None:  # a catalog GPU: the parts model (memfit.steptime)
-        mb = gpu_micro_batch(model, sp.gpu, shape, e, method == "full", adapted, meft_rows, router, fp32_stream, p,
-                             "fsdp" if fsdp else engine, tensors_t)
-    else:  # adapted: empty unless LoRA-style (the registry)
-        mb = micro_batch(model, sp, shape, e, method == "full", adapted, meft_rows, router, fp32_stream)
+    work = micro_work(model, shape_for(model, shape, e, adapted, meft_rows, router, fp32_stream, engine, fsdp,
+                                       tensors_t), shape)
+    mb = price(work, device_for(sp, p))
     off_opt = st.offload != "none"
     local = p_t / (n if shard_o else 1)
     # FSDP2's optimizer steps a shard of every tensor (DTensors); DeepSpeed a flat partition
@@ -129,7 +127,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     if fsdp and n > 1 and sp.gpu is not None and getattr(st, "fsdp_version", 2) == 2:  # FSDP2's copy-in / -out
         unit = gather_bytes / (model.layers + 2)
         copies_s = fsdp2_copy_bytes(engine, gather_bytes, n, p_t, g_comm, e, ga, no_sync) / sp.gpu.bandwidth(unit)
-    exposed = exposed_comm(comm_s, ga * mb.get("device_seconds", 0.0) + copies_s, engine, p, cpu, model.layers)
+    exposed = exposed_comm(comm_s, ga * mb.overlap_window + copies_s, engine, p, cpu, model.layers)
     offload_s, upload_s, pcie_b = _host_link(model, st, p, sp, adapted, p_t, n, g_comm, w_comm, gather_bytes, fsdp, cpu)
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
@@ -142,20 +140,20 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)
-    step = ga * mb["seconds"] + copies_s + optim_s + exposed + offload_s + upload_s + cpu_opt_s + meft_s + trainer_s \
+    step = ga * mb.seconds + copies_s + optim_s + exposed + offload_s + upload_s + cpu_opt_s + meft_s + trainer_s \
         + engine_s
-    flops = ga * (mb["dense_flops"] + mb["attention_flops"] + mb["adapter_flops"])
+    flops = ga * (mb.dense_flops + mb.attention_flops + mb.adapter_flops)
     tokens = n * st.micro_batch_size * ga * st.seq_len
     time = {"step_seconds": step, "tokens_per_second": tokens / step if step > 0 else 0.0, "basis": sp.basis,
-            "compute_seconds": ga * mb["seconds"], "matmul_seconds": ga * mb["matmul_seconds"],
-            "attention_seconds": ga * mb["attention_seconds"],
-            "memory_bound_seconds": ga * mb["memory_bound_seconds"], "dequant_seconds": ga * mb["dequant_seconds"],
-            "dispatch_seconds": ga * mb["dispatch_seconds"], "optimizer_seconds": optim_s,
+            "compute_seconds": ga * mb.seconds, "matmul_seconds": ga * mb.matmul_seconds,
+            "attention_seconds": ga * mb.attention_seconds,
+            "memory_bound_seconds": ga * mb.memory_bound_seconds, "dequant_seconds": ga * mb.dequant_seconds,
+            "dispatch_seconds": ga * mb.dispatch_seconds, "optimizer_seconds": optim_s,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s,
             "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "upload_seconds": upload_s, "cpu_optimizer_seconds": cpu_opt_s,
             "meft_seconds": meft_s, "engine_seconds": engine_s, "fsdp_copy_seconds": copies_s,
-            "flops_per_gpu": flops, "dense_flops": ga * mb["dense_flops"],
-            "attention_flops": ga * mb["attention_flops"], "adapter_flops": ga * mb["adapter_flops"],
-            "achieved_flops_per_second": flops / (ga * mb["seconds"]) if mb["seconds"] > 0 else 0.0}
+            "flops_per_gpu": flops, "dense_flops": ga * mb.dense_flops,
+            "attention_flops": ga * mb.attention_flops, "adapter_flops": ga * mb.adapter_flops,
+            "achieved_flops_per_second": flops / (ga * mb.seconds) if mb.seconds > 0 else 0.0}
     return {"time": time, "traffic": traffic, "floor_seconds": flops / sp.peak}

@@ -85,19 +85,6 @@ def elementwise_cached(model: ModelSpec, e: float) -> float:
     return per_model(("elementwise", id(model), e), model, lambda: elementwise_bytes(model, e))
 
 
-def linear_area(model: ModelSpec) -> float:
-    """Σ k·n of one layer's linears, each weighted by the tokens it sees per token (a mixture's top-k: count x
-    active), cached per model."""
-    return per_model(("area", id(model)), model, lambda: float(
-        sum(x.in_features * x.out_features * x.count * x.active for x in model.linears)))
-
-
-def adapted_width(model: ModelSpec, adapted: frozenset) -> float:
-    """Σ (k + n) of one layer's adapted linears, weighted as :func:`linear_area`, cached per model."""
-    return per_model(("width", id(model), adapted), model, lambda: float(
-        sum((x.in_features + x.out_features) * x.count * x.active for x in model.linears if x.name in adapted)))
-
-
 def extra_work(model: ModelSpec, st, adapted: frozenset) -> LayerWork:
     """``Method.extra_layer_work`` of the run's method, called once per model, method and adapted set."""
     return per_model(("extra-work", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
@@ -134,9 +121,3 @@ def method_gemms(model: ModelSpec, st, adapted: frozenset) -> tuple[tuple, tuple
         return w.delta_linears, w.weight_gemms
     return per_model(("method-gemms", id(model), st.method, getattr(st, "peft_config", None), adapted), model,
                      compute)
-
-
-def method_kernels(model: ModelSpec, st, adapted: frozenset) -> tuple[float, float]:
-    """Small kernels the method launches per layer and micro-batch beyond its GEMMs (forward, backward), e.g.
-    BOFT's block-diagonal build without PEFT's CUDA extension: one copy per block (``Method.extra_layer_work``)."""
-    return extra_work(model, st, adapted).kernels

@@ -31,17 +31,17 @@ def _rates(hw):
 def _layer_work_and_matmul_added(monkeypatch, setting, cfg: dict) -> tuple[LayerWork, float]:
     """(the method's extra_layer_work, the matmul seconds it adds to the step)."""
     import memfit.methods.peft as peft_method
-    from memfit.steptime import work
+    from memfit.steptime.price import clear_caches
 
     model, hw = setting
     st = _strategy(cfg)
     layer_work = peft_method.METHOD.extra_layer_work(model, st, frozenset())
-    work._PER_MODEL.clear()
+    clear_caches()
     with_work = estimate(model, hw, st).time["matmul_seconds"]
     monkeypatch.setattr(peft_method.Peft, "extra_layer_work", lambda self, m, s, a: NO_WORK)
-    work._PER_MODEL.clear()
+    clear_caches()
     without = estimate(model, hw, st).time["matmul_seconds"]
-    work._PER_MODEL.clear()
+    clear_caches()
     return layer_work, with_work - without
 
 
