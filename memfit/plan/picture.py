@@ -23,7 +23,7 @@ def saving_level(strategy: Any) -> tuple:
     """How much memory saving a recipe uses: sharding stage, then checkpointing, then offload."""
     stage = strategy.zero_stage or {"full_shard": 3, "shard_grad_op": 2}.get(strategy.fsdp or "", 0)
     offload = ("none", "optimizer", "optimizer+params").index(strategy.offload)
-    return (stage + int(strategy.gradient_checkpointing), stage, offload, strategy.method != "full")
+    return (stage + int(strategy.gradient_checkpointing), stage, offload, strategy.trains_adapter)
 
 
 def draw(m: Matrix, path: str | Path, *, title: str | None = None, dpi: int = 110) -> Path:

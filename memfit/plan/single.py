@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.methods import METHODS
 from memfit.methods.qlora import PARAM_DTYPE
 from memfit.plan import rules
 from memfit.plan.space import make_strategy
@@ -20,7 +21,8 @@ def complete_keys(model: Any, hardware: Any, keys: dict[str, Any]) -> dict[str, 
     keys.setdefault("precision", rules.default_precision(hardware))
     if "lora_targets" not in keys:
         keys["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
-    if keys.get("method", "lora") == "qlora" and "quant_storage" not in keys:
+    method = METHODS.get(keys.get("method", Strategy.model_fields["method"].default))
+    if method is not None and method.quantized and "quant_storage" not in keys:
         sharded = keys.get("zero_stage", 0) == 3 or keys.get("fsdp") not in (None, False)
         keys["quant_storage"] = PARAM_DTYPE.get(keys["precision"], "bf16") if sharded else "uint8"
     return keys

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Optional
 from pydantic import ValidationError
 
 from memfit.errors import ConfigError
-from memfit.methods import NAMES as METHODS, PLANNED
+from memfit.methods import METHODS as REGISTRY, NAMES as METHODS, PLANNED
 from memfit.methods.qlora import PARAM_DTYPE
 from memfit.plan import rules
 from memfit.spec.strategy import ATTENTIONS, FSDP_VERSIONS, LOSSES, OFFLOADS, Strategy
@@ -26,6 +26,10 @@ ENGINES: tuple[tuple[int, Any, int], ...] = (
     (0, False, 2), (1, False, 2), (2, False, 2), (3, False, 2), (0, "shard_grad_op", 2), (0, "full_shard", 2),
     (0, "shard_grad_op", 1), (0, "full_shard", 1),
 )
+ENGINE_KEYS = ("zero_stage", "fsdp")  # the Strategy keys an engine tuple above begins with
+# the keys enumerate_strategies loops over (the rest of ``fixed`` is held as given)
+LOOPED_KEYS = frozenset(("method", "offload", "gradient_checkpointing", "attention", *ENGINE_KEYS, "fsdp_version",
+                         "loss"))
 STRATEGY_FIELDS = frozenset(Strategy.model_fields)
 # The command-line flag of each strategy key whose name differs from it.
 FLAGS = {"zero_stage": "--zero", "micro_batch_size": "--batch-size", "gradient_checkpointing":
@@ -78,8 +82,8 @@ def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> 
     """Engines to try. ``zero_stages`` restricts the search to DeepSpeed stages (0 = DDP), no FSDP;
     a fixed ``zero_stage`` / ``fsdp`` / ``fsdp_version`` holds that key (the version binds FSDP only)."""
     engines = list(ENGINES)
-    if "fsdp" in fixed and "zero_stage" in fixed:
-        make_strategy(zero_stage=fixed["zero_stage"], fsdp=fixed["fsdp"])  # raises if they contradict
+    if all(key in fixed for key in ENGINE_KEYS):
+        make_strategy(**{key: fixed[key] for key in ENGINE_KEYS})  # raises if they contradict
     if "fsdp_version" in fixed:
         _check_choices("fsdp_version (--fsdp-version)", [fixed["fsdp_version"]], FSDP_VERSIONS)
         engines = [(z, f, v) for z, f, v in engines if not f or v == fixed["fsdp_version"]]
@@ -87,10 +91,9 @@ def engines_for(zero_stages: Optional[Iterable[int]], fixed: dict[str, Any]) -> 
         stages = _check_choices("--zero-stages", zero_stages, (0, 1, 2, 3))
         if not fixed.get("fsdp"):
             engines = [(z, f, v) for z, f, v in engines if not f and z in stages]
-    if "fsdp" in fixed:
-        engines = [(z, f, v) for z, f, v in engines if f == fixed["fsdp"]]
-    if "zero_stage" in fixed:
-        engines = [(z, f, v) for z, f, v in engines if z == fixed["zero_stage"]]
+    for i, key in enumerate(ENGINE_KEYS):
+        if key in fixed:
+            engines = [e for e in engines if e[i] == fixed[key]]
     if not engines:
         raise ConfigError(f"--zero {fixed.get('zero_stage')} is not among --zero-stages "
                           f"{','.join(map(str, zero_stages or ()))}; drop one of them")
@@ -131,15 +134,13 @@ def enumerate_strategies(
     attentions = [fixed["attention"]] if "attention" in fixed else list(ATTENTIONS)
     losses = [fixed["loss"]] if "loss" in fixed else list(LOSSES)
     precision = fixed.get("precision", rules.default_precision(hardware))
-    base = {k: v for k, v in fixed.items() if k not in ("method", "offload", "gradient_checkpointing",
-                                                        "attention", "zero_stage", "fsdp", "fsdp_version",
-                                                        "loss")}
+    base = {k: v for k, v in fixed.items() if k not in LOOPED_KEYS}
     base.update(seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum, precision=precision)
     if "lora_targets" not in fixed:
         base["lora_targets"] = rules.default_lora_targets(model, Strategy.model_fields["lora_targets"].default)
     engines = engines_for(zero_stages, fixed)
     # One device: sharding over it saves nothing, so ZeRO/FSDP only matter with offload (unless asked for).
-    one_device = hardware.world_size == 1 and not ({"zero_stage", "fsdp"} & set(fixed))
+    one_device = hardware.world_size == 1 and not (set(ENGINE_KEYS) & set(fixed))
     args = (tuple(methods), tuple(engines), tuple(offloads), tuple(gcs), tuple(attentions),
             tuple(sorted(base.items())), tuple(sorted(k for k in fixed if k == "quant_storage")), one_device,
             tuple(losses))
@@ -161,7 +162,7 @@ def _space(methods: tuple, engines: tuple, offloads: tuple, gcs: tuple, attentio
     for method in methods:
         for zero, fsdp, version in engines:
             keys = dict(base, method=method, zero_stage=zero, fsdp=fsdp, fsdp_version=version)
-            if method == "qlora" and not fixed_storage:
+            if REGISTRY[method].quantized and not fixed_storage:
                 sharded = zero == 3 or bool(fsdp)
                 keys["quant_storage"] = PARAM_DTYPE[precision] if sharded else "uint8"
             for offload in offloads:
