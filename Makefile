@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) bench/plan_speed.py
+	PYTHONPATH=. $(PY) bench/plan_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

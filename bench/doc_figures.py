@@ -22,8 +22,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
 
 MEMORY = ROOT / "memfit" / "estimate" / "published_accuracy.json"
 TIME = ROOT / "memfit" / "steptime" / "published_time_accuracy.json"
@@ -67,15 +65,16 @@ def time_bar(mem: dict, time: dict) -> str:
     reads = "; ".join(f"median {r['first']['median_abs_pct']:.1f} %, max {r['first']['max_abs_pct']:.1f} % on "
                       f"{r['first']['figures']} rows of {', '.join(sorted(r['first']['groups']))} (frozen at "
                       f"{r['frozen_commit'][:7]})" for r in time["held_out_readings"])
-    return (f"(`python bench/gpu_time_fit.py`: {time['rows']} runs, median {time['median_abs_pct']:.1f} %, max "
-            f"{time['max_abs_pct']:.0f} %, a development figure: {time['rests_on']} choices made seeing these rows, "
+    return (f"(`PYTHONPATH=. python bench/gpu_time_fit.py`: {time['rows']} runs, median "
+            f"{time['median_abs_pct']:.1f} %, max {time['max_abs_pct']:.0f} %, a development figure: "
+            f"{time['rests_on']} choices made seeing these rows, "
             f"{len(time['hand_set'])} of them hand-set constants; repeated configurations differ by median "
             f"{time['noise_floor']['median_spread_pct']:.1f} %, up to {time['noise_floor']['max_spread_pct']:.0f} %; "
             f"held out on new sources: {reads or 'none yet'}; [docs/gpu-time.md](docs/gpu-time.md)).\n")
 
 
 def h200_time(mem: dict, time: dict) -> str:
-    import gpu_time_check as gtc
+    from bench import gpu_time_check as gtc
     from memfit.spec import hwprofile
     from memfit.spec.hardware import parse_hardware
 

@@ -1,8 +1,8 @@
 """GPU check: measure real CUDA training steps of 1-3B models against memfit's estimate (one GPU).
 
-    python bench/gpu_check.py --out DIR            # on a machine with one CUDA GPU; < 8 minutes
-    python bench/gpu_check.py --replay DIR/gpu_check.json   # re-predict saved measurements (no GPU)
-    python bench/gpu_check.py --tiny --out DIR     # the same code path on micro shapes (CPU is fine)
+    PYTHONPATH=. python bench/gpu_check.py --out DIR            # on a machine with one CUDA GPU; < 8 minutes
+    PYTHONPATH=. python bench/gpu_check.py --replay DIR/gpu_check.json   # re-predict saved measurements (no GPU)
+    PYTHONPATH=. python bench/gpu_check.py --tiny --out DIR     # the same code path on micro shapes (CPU is fine)
 
 Models are random-weight ``save_pretrained`` folders with the real shapes of Llama-3.2-1B/3B (memory does
 not depend on weight values; no hub). Each configuration runs through ``memfit measure``'s own path (a
@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GiB = 1024 ** 3
 

@@ -31,19 +31,15 @@ import statistics
 import sys
 from pathlib import Path
 
+from memfit.estimate import DEFAULT_PROFILE, estimate
+from memfit.plan import plan as _plan
+from memfit.spec.model import resolve_model
+
+from bench.gpu_published_rows import (DEFAULT_FILE, GPUS, MODELS, UNSUPPORTED, Case, Skip, _bytes, _engine,  # noqa: F401
+                                      _hardware, _method, _metric, _precision, convert, load, load_gpu_check)
+from bench import holdout_score, noise, provenance
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
-from memfit.plan import plan as _plan  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-
-sys.path.insert(0, str(HERE))
-from gpu_published_rows import (DEFAULT_FILE, GPUS, MODELS, UNSUPPORTED, Case, Skip, _bytes, _engine,  # noqa: E402,F401
-                                _hardware, _method, _metric, _precision, convert, load, load_gpu_check)
-import holdout_score  # noqa: E402
-import noise  # noqa: E402
-import provenance  # noqa: E402
 
 # the Profile constants fitted to published GPU runs (the rest are read from the engines' code)
 ACCURACY_FILE = HERE.parent / "memfit" / "estimate" / "published_accuracy.json"

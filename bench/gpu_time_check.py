@@ -1,8 +1,8 @@
 """GPU check of the hardware calibration and the time model (one short run on a CUDA machine).
 
-    python3 bench/gpu_time_check.py --out DIR          # calibrate (CUDA paths), then 5 training steps x 10 configs
-    python3 bench/gpu_time_check.py --smoke            # the same on CPU with tiny sizes (tests the script)
-    python3 bench/gpu_time_check.py --replay FILE      # re-predict a saved run with today's time model
+    PYTHONPATH=. python3 bench/gpu_time_check.py --out DIR  # calibrate (CUDA paths), then 5 training steps x 10 configs
+    PYTHONPATH=. python3 bench/gpu_time_check.py --smoke      # the same on CPU with tiny sizes (tests the script)
+    PYTHONPATH=. python3 bench/gpu_time_check.py --replay FILE  # re-predict a saved run with today's time model
 
 1. ``memfit calibrate --hardware`` on the GPU (torch.cuda.Event timing, pinned copies, GEMM / attention
    / bandwidth / AdamW / dispatch of transformers' layers), saved and printed.
@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -142,7 +140,7 @@ def name_of(c: dict) -> str:
 def report(rows: list[dict], shape: dict, hw, device: str) -> list[str]:
     """The table: the bare loop against the time model on ``hw`` (its basis named), |error| and the Kendall
     tau of the configurations that share the sequence length (the model is one shape)."""
-    from time_grid import kendall_tau
+    from bench.time_grid import kendall_tau
 
     lines = [f"{'config':28s} {'pred ms':>8s} {'bare ms':>8s} {'err %':>6s}  parts (ms)"]
     done = [r for r in rows if r.get("measured_ms")]

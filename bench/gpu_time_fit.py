@@ -2,10 +2,10 @@
 free constants fitted, leave-one-group-out figures, the seed's runtime findings, and the error bars
 `estimate` / `plan` show.
 
-    .venv/bin/python bench/gpu_time_fit.py                 # tables: in-sample and left out, per group; seed checks
-    .venv/bin/python bench/gpu_time_fit.py --rows          # + every row
-    .venv/bin/python bench/gpu_time_fit.py --write         # + rewrite memfit/steptime/published_time_accuracy.json
-    .venv/bin/python bench/gpu_time_fit.py --check         # exit 1 when that file differs from what this computes
+    PYTHONPATH=. .venv/bin/python bench/gpu_time_fit.py          # tables: in-sample and left out per group, seeds
+    PYTHONPATH=. .venv/bin/python bench/gpu_time_fit.py --rows   # + every row
+    PYTHONPATH=. .venv/bin/python bench/gpu_time_fit.py --write  # + rewrite steptime/published_time_accuracy.json
+    PYTHONPATH=. .venv/bin/python bench/gpu_time_fit.py --check  # exit 1 when that file differs from what this computes
 
 Rows: gpu-runs/public-time.jsonl (bench/public_time_rows.py maps them), IBM fms-acceleration's A100 rows and
 memfit's own H200 checks (bench/gpu_time_published.py). Judged: every row whose source reliability is not
@@ -30,22 +30,16 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench import gpu_time_published as gtp, holdout_score, noise, provenance, public_time
+from bench.public_time_rows import DEFAULT_FILE, TimeCase, load
+from bench.time_grid import kendall_tau
+
+from memfit.estimate import DEFAULT_PROFILE
+from memfit.estimate.accuracy import run_kind
+from memfit.spec.model import resolve_model
+from memfit.steptime.accuracy import DATA as ACCURACY_FILE
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import gpu_time_published as gtp  # noqa: E402
-import holdout_score  # noqa: E402
-import noise  # noqa: E402
-import provenance  # noqa: E402
-import public_time  # noqa: E402
-from public_time_rows import DEFAULT_FILE, TimeCase, load  # noqa: E402
-from time_grid import kendall_tau  # noqa: E402
-
-from memfit.estimate import DEFAULT_PROFILE  # noqa: E402
-from memfit.estimate.accuracy import run_kind  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-from memfit.steptime.accuracy import DATA as ACCURACY_FILE  # noqa: E402
 
 FITTED = {
     "gemm_max_fraction": [0.7, 0.75, 0.8, 0.85, 0.9],  # bounded by the best published fraction (A100 0.87)
@@ -249,7 +243,7 @@ def _peft_table(peft: list) -> list[str]:
 
 
 def main(argv=None) -> int:
-    import seed_time_checks
+    from bench import seed_time_checks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
@@ -322,7 +316,7 @@ def check(cases: list[TimeCase]) -> int:
     now = accuracy(cases)
     if committed != now:
         print(f"error: {ACCURACY_FILE.name} is stale (its held-out time error bars differ from the bench's); "
-              "run: python bench/gpu_time_fit.py --write", file=sys.stderr)
+              "run: PYTHONPATH=. python bench/gpu_time_fit.py --write", file=sys.stderr)
         return 1
     return 0
 

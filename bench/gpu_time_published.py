@@ -33,16 +33,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench import gpu_published as gp
+from bench.time_grid import kendall_tau
+
+from memfit.estimate import DEFAULT_PROFILE, estimate
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import Strategy
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import gpu_published as gp  # noqa: E402
-from time_grid import kendall_tau  # noqa: E402
-
-from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-from memfit.spec.strategy import Strategy  # noqa: E402
 
 GPU_CHECKS = sorted((HERE / "results").glob("gpu_check_h200_2026-11-30*.json"))
 # DeepSpeed issue 3901 publishes the engine only: micro-batch 1, bf16 mixed precision, checkpointing and

@@ -1,7 +1,7 @@
 """memfit's own trainer on one GPU: its measured step against the prediction of the same run, calibrated.
 
-    python3 bench/gpu_trainer_time.py --out DIR     # on a CUDA machine: calibrate, then 4 runs (~2-3 min)
-    python3 bench/gpu_trainer_time.py --smoke       # the same path on a CPU with a tiny model
+    PYTHONPATH=. python3 bench/gpu_trainer_time.py --out DIR     # on a CUDA machine: calibrate, then 4 runs (~2-3 min)
+    PYTHONPATH=. python3 bench/gpu_trainer_time.py --smoke       # the same path on a CPU with a tiny model
 
 Where bench/gpu_time_check.py times a bare loop, this runs what a user runs: ``memfit measure``'s path
 (memfit.measure.runner.run_measured_process: a fresh process, memfit's Trainer, 1 warm-up + 1 profiled +
@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=16)

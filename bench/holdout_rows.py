@@ -67,8 +67,7 @@ def skip_reason(row: dict) -> str:
 @contextlib.contextmanager
 def registered(config_dir: Path):
     """Qwen-1's configs known to both converters for the duration (memory: a config.json path per id)."""
-    import gpu_published_rows
-    import public_time_rows
+    from bench import gpu_published_rows, public_time_rows
 
     config_dir.mkdir(parents=True, exist_ok=True)
     added_m, added_t = {}, {}

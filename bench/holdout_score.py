@@ -24,8 +24,6 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 LEDGER = HERE / "holdout" / "ledger.json"
 
@@ -40,7 +38,7 @@ def _stats(errs: list[float]) -> dict:
 
 def _prepared(path: Path, tmp: Path) -> tuple[Path, dict]:
     """The rows as bench/holdout_rows.prepare maps them (a file in ``tmp``), and those it skips (id -> why)."""
-    import holdout_rows
+    from bench import holdout_rows
 
     keep, skipped = [], {}
     for line in Path(path).read_text().splitlines():
@@ -58,8 +56,7 @@ def _prepared(path: Path, tmp: Path) -> tuple[Path, dict]:
 
 def read_memory(path: Path) -> dict:
     """Every row bench/gpu_published_rows.convert expresses, predicted at the Profile's defaults."""
-    import gpu_published as G
-    import holdout_rows
+    from bench import gpu_published as G, holdout_rows
 
     with tempfile.TemporaryDirectory() as tmp, holdout_rows.registered(Path(tmp) / "configs"):
         rows, pre = _prepared(path, Path(tmp))
@@ -79,9 +76,8 @@ def read_memory(path: Path) -> dict:
 
 def read_time(path: Path) -> dict:
     """Every row bench/public_time_rows.convert expresses, predicted at the Profile's defaults (tokens/s)."""
-    import gpu_time_fit as F
-    import holdout_rows
-    from public_time_rows import load
+    from bench import gpu_time_fit as F, holdout_rows
+    from bench.public_time_rows import load
 
     with tempfile.TemporaryDirectory() as tmp, holdout_rows.registered(Path(tmp) / "configs"):
         rows, pre = _prepared(path, Path(tmp))

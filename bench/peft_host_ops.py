@@ -3,9 +3,9 @@ beyond a LoRA adapter's on the same modules, in the GPU time model's unit (LoRA'
 module-level ops, memfit.methods.peft.work). Writes memfit/methods/peft/host_ops.json, which the time model
 reads; ``--check`` exits 1 when that file differs from what this counts.
 
-    .venv/bin/python bench/peft_host_ops.py            # count, print
-    .venv/bin/python bench/peft_host_ops.py --write    # + rewrite memfit/methods/peft/host_ops.json
-    .venv/bin/python bench/peft_host_ops.py --check    # exit 1 when the file is stale
+    PYTHONPATH=. .venv/bin/python bench/peft_host_ops.py            # count, print
+    PYTHONPATH=. .venv/bin/python bench/peft_host_ops.py --write    # + rewrite memfit/methods/peft/host_ops.json
+    PYTHONPATH=. .venv/bin/python bench/peft_host_ops.py --check    # exit 1 when the file is stale
 
 How: a 2-layer Llama (h 1024, 16 heads of 64, 4 KV heads, FFN 2048, bf16 base, PEFT's fp32 adapters as
 PEFT's method comparison runs them) with random weights on this CPU; one forward + backward of 2 × 16 tokens
@@ -30,11 +30,9 @@ import sys
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from memfit.methods.peft.work import GENERIC_OPS, HOST_OPS_FILE
 
-from memfit.methods.peft.work import GENERIC_OPS, HOST_OPS_FILE  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 ROWS = HERE.parent.parent / "shared" / "reference" / "gpu-runs" / "public-time.jsonl"
 SHAPE = dict(model_type="llama", hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
@@ -47,7 +45,7 @@ SKIP = {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "LN_TUNING", "TRAINABLE_TO
 
 def configs(path: Path = ROWS) -> dict:
     """PEFT type -> the first peft-mmqa row's config (as bench/gpu_published_rows.peft_config maps it)."""
-    from gpu_published_rows import Skip, peft_config
+    from bench.gpu_published_rows import Skip, peft_config
 
     out: dict = {}
     for line in path.read_text().splitlines():
@@ -175,7 +173,7 @@ def main(argv=None) -> int:
     if args.check:
         have = json.loads(HOST_OPS_FILE.read_text()) if HOST_OPS_FILE.is_file() else {}
         if have.get("types") != got["types"]:
-            print(f"error: {HOST_OPS_FILE.name} is stale; run: python bench/peft_host_ops.py --write")
+            print(f"error: {HOST_OPS_FILE.name} is stale; run: PYTHONPATH=. python bench/peft_host_ops.py --write")
             return 1
     return 0
 

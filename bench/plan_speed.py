@@ -1,6 +1,6 @@
 """Time the full planning matrix: 8 models × 5 contexts × every combination of levers (target < 2 s).
 
-Run: .venv/bin/python bench/plan_speed.py [--gpus 8xV100-32GB] [--repeat 3]
+Run: PYTHONPATH=. .venv/bin/python bench/plan_speed.py [--gpus 8xV100-32GB] [--repeat 3]
 Prints the combinations tried, the wall time of the fastest repeat, and time per combination.
 """
 

@@ -1,9 +1,9 @@
 """memfit's predicted tokens/s per GPU against published GPU throughputs (gpu-runs/public-time.jsonl).
 
-    .venv/bin/python bench/public_time.py                  # table per group (median, max, tau, worst rows)
-    .venv/bin/python bench/public_time.py --rows           # + every row: published, predicted, error
-    .venv/bin/python bench/public_time.py --group torchtitan --json
-    .venv/bin/python bench/public_time.py --compiled       # also torch.compile rows, predicted as eager
+    PYTHONPATH=. .venv/bin/python bench/public_time.py                  # table per group (median, max, tau, worst rows)
+    PYTHONPATH=. .venv/bin/python bench/public_time.py --rows           # + every row: published, predicted, error
+    PYTHONPATH=. .venv/bin/python bench/public_time.py --group torchtitan --json
+    PYTHONPATH=. .venv/bin/python bench/public_time.py --compiled       # also torch.compile rows, predicted as eager
 
 Rows become memfit runs in bench/public_time_rows.py (its docstring lists every mapping rule and the row
 fields it reads). ``predict`` is ``estimate(...).time["tokens_per_second"]`` (all GPUs, every position of
@@ -22,14 +22,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.public_time_rows import DEFAULT_FILE, TimeCase, load  # noqa: F401  (the API: load, predict, score)
+from bench.time_grid import kendall_tau
+
+from memfit.estimate import DEFAULT_PROFILE, estimate
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from public_time_rows import DEFAULT_FILE, TimeCase, load  # noqa: E402,F401  (the API: load, predict, score)
-from time_grid import kendall_tau  # noqa: E402
-
-from memfit.estimate import DEFAULT_PROFILE, estimate  # noqa: E402
 
 MIN_TAU_ROWS = 3
 

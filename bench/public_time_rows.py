@@ -68,19 +68,16 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bench import gpu_time_published as gtp  # DEEPSPEED_ASSUMED, ASSUMED
+
+from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu, with_pcie_link
+from memfit.spec.model import ModelSpec, model_from_config, resolve_model
+from memfit.spec.strategy import Strategy
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import gpu_time_published as gtp  # noqa: E402  (DEEPSPEED_ASSUMED, ASSUMED)
-
-from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu, with_pcie_link  # noqa: E402
-from memfit.spec.model import ModelSpec, model_from_config, resolve_model  # noqa: E402
-from memfit.spec.strategy import Strategy  # noqa: E402
 
 _REL = Path("reference") / "gpu-runs" / "public-time.jsonl"
 DEFAULT_FILE = next((p for p in (HERE.parent.parent / "shared" / _REL, HERE.parent / "shared" / _REL,
@@ -193,7 +190,7 @@ def _method(row: dict) -> tuple[str, dict]:
         raise Skip("LoRA-FA optimizer (frozen A, projected updates) is not in memfit's registry")
     base = method.removesuffix("+dora")
     if base not in ("lora", "qlora"):  # any other PEFT method: memfit's method=peft from the row's own config
-        import gpu_published_rows
+        from bench import gpu_published_rows
 
         try:
             cfg = gpu_published_rows.peft_config(pc, method, row)

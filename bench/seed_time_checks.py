@@ -3,20 +3,15 @@ Models"; shared/reference/seeds/000_*), checked on memfit's predictions for the 
 one node of 8 x A100-80GB with DeepSpeed ZeRO-1/2/3, and LLaMA-2-70B with ZeRO-3 + LoRA for the long-context
 runs. The paper does not publish its micro-batch or its context length for the 7B runs: 4 x 1024 is assumed.
 
-    .venv/bin/python bench/seed_time_checks.py
+    PYTHONPATH=. .venv/bin/python bench/seed_time_checks.py
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from memfit.estimate import estimate  # noqa: E402
-from memfit.spec.hardware import parse_hardware  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-from memfit.spec.strategy import Strategy  # noqa: E402
+from memfit.estimate import estimate
+from memfit.spec.hardware import parse_hardware
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import Strategy
 
 BASE = dict(micro_batch_size=4, seq_len=1024, attention="sdpa", precision="bf16-mixed")
 

@@ -1,9 +1,10 @@
 """Predicted vs measured step time on a grid of configurations on this machine.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py            # calibrate, measure + predict (~11 min)
-    .venv/bin/python bench/time_grid.py --reuse                      # re-predict the saved measurements
-    .venv/bin/python bench/time_grid.py --quick                      # 6 configurations (smoke)
-    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py --held-out # 8 drawn outside this grid (time_grid_heldout.py)
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_grid.py          # calibrate, measure + predict (~11 min)
+    PYTHONPATH=. .venv/bin/python bench/time_grid.py --reuse                    # re-predict the saved measurements
+    PYTHONPATH=. .venv/bin/python bench/time_grid.py --quick                    # 6 configurations (smoke)
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_grid.py --held-out
+        # 8 drawn outside it (time_grid_heldout.py)
 
 Two model shapes built here with random weights (a Llama-style h 256 / 4 layers and a Qwen2-style
 h 128 / 4 layers with grouped-query attention and q/k/v biases); full / LoRA / QLoRA, checkpointing on
@@ -40,11 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from bench.grid_profile import use_saved_profile, window_profile  # noqa: F401 - time_grid.window_profile is used by the held-out grid
 
-from grid_profile import use_saved_profile, window_profile  # noqa: E402,F401 - time_grid.window_profile is used by the held-out grid
+HERE = Path(__file__).resolve().parent
 
 
 def _measuring_environment() -> None:
@@ -363,7 +362,7 @@ def main() -> int:
     args.out = args.out or Path("/tmp/memfit-time-grid" + ("-held-out" if args.held_out else ""))
     _measuring_environment()
     if args.held_out:  # SHAPES and CELLS become the drawn ones, their models built; a header names them
-        import time_grid_heldout
+        from bench import time_grid_heldout
 
         time_grid_heldout.use(sys.modules[__name__], args.n, args.seed, args.models)
     models = build_models(args.models)

@@ -1,8 +1,9 @@
 """Held-out configurations for bench/time_grid.py (``--held-out``): drawn with a fixed seed from a space the
 development grid does not cover, measured and predicted exactly as the development grid is.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/time_grid.py --held-out --out /tmp/tg_heldout   # 8, seed 0 (~6 min)
-    .venv/bin/python bench/time_grid.py --held-out --out /tmp/tg_heldout --reuse             # re-predict them
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_grid.py --held-out --out /tmp/tg_heldout
+        # 8, seed 0 (~6 min)
+    PYTHONPATH=. .venv/bin/python bench/time_grid.py --held-out --out /tmp/tg_heldout --reuse  # re-predict them
 
 The development grid (time_grid.SHAPES / CELLS) is two shapes (hidden 256 and 128, 4 layers, 8 heads, the
 tokenizer's 480-token vocabulary) at sequence lengths 128, 256, 512 and 1024: the configurations the time

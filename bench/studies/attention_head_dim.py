@@ -2,7 +2,7 @@
 takes seconds per score = a + b·d from two head dims (docs/time.md, "attention"), for SDPA and for eager
 attention's two batched products (q·kᵀ, p·v).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/attention_head_dim.py      # ~15 s
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/attention_head_dim.py      # ~15 s
 
 Prints per kernel and sequence length the median of 7 calls at (heads 4, d 32), (8, 16) and (2, 64), b = 1
 (SDPA causal), and the d = 64 figure predicted by the line through the other two. Then SDPA (h 8, d 16)

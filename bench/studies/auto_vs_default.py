@@ -1,7 +1,7 @@
 """What planning buys: `memfit train --auto` against the popular default and the slowest plan that fits.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/auto_vs_default.py              # ~3 min quiet
-    .venv/bin/python bench/auto_vs_default.py --cap 1.2GB --sequences 8 --seq-len 512 --steps 6
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/auto_vs_default.py              # ~3 min quiet
+    PYTHONPATH=. .venv/bin/python bench/studies/auto_vs_default.py --cap 1.2GB --sequences 8 --seq-len 512 --steps 6
 
 Same model (the Llama-style h 256 / 4 layers of bench/time_grid.py, random weights), same synthetic
 data, same tokens (``--sequences`` sequences of ``--seq-len`` tokens per optimizer step, ``--steps``
@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the trained processes run glibc's malloc as a user's `memfit train` does (the estimator's CPU heap term
 # describes that): not bench/time_grid.py's MALLOC_MMAP_THRESHOLD_ (its main sets it; kept out here too)
@@ -42,7 +40,7 @@ def _memfit(args: list[str]) -> dict:
     if _USER_MALLOC is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = _USER_MALLOC
     out = subprocess.run([sys.executable, "-m", "memfit", *args, "--json"], capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": str(HERE.parent)}, timeout=1800)
+                         env={**env, "PYTHONPATH": str(HERE.parents[1])}, timeout=1800)
     text = out.stdout
     start = text.find("\n{") + 1 if not text.startswith("{") else 0
     if out.returncode != 0 or start < 0:
@@ -76,7 +74,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/memfit-auto-vs-default"))
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     args = ap.parse_args()
-    from time_grid import build_models, text_data
+    from bench.time_grid import build_models, text_data
 
     from memfit.plan.batch import plan_batch
     from memfit.spec.hardware import parse_hardware, parse_size

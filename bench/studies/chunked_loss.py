@@ -1,7 +1,7 @@
 """strategy.loss standard vs chunked, measured on this machine with memfit's own measure machinery.
 
-    PYTHONPATH=. .venv/bin/python bench/chunked_loss.py --threads 1   # LoRA, 50,257 vocab, 2 x 2048 tokens
-    PYTHONPATH=. .venv/bin/python bench/chunked_loss.py --steps 3 --seq-len 1024 --batch 4
+    PYTHONPATH=. .venv/bin/python bench/studies/chunked_loss.py --threads 1   # LoRA, 50,257 vocab, 2 x 2048 tokens
+    PYTHONPATH=. .venv/bin/python bench/studies/chunked_loss.py --steps 3 --seq-len 1024 --batch 4
 
 A Llama-style model with a GPT-2-sized vocabulary (50,257) and random weights is built here (no hub).
 Each mode trains in a fresh process (memfit.measure.runner: one warm-up step, one profiled step, then
@@ -21,8 +21,6 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4)

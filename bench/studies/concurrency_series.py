@@ -1,8 +1,8 @@
 """How much slower one-thread work runs in each of two processes side by side, second by second: why the
 calibration's ``concurrency`` figure is merged by its mean (memfit.spec.hwprofile.MEAN_FIGURES).
 
-    .venv/bin/python bench/concurrency_series.py            # 60 cycles of 0.5 s alone + 0.5 s together (~65 s)
-    .venv/bin/python bench/concurrency_series.py --cycles 120 --seconds 0.25
+    PYTHONPATH=. .venv/bin/python bench/studies/concurrency_series.py  # 60 x (0.5 s alone + 0.5 s together), ~65 s
+    PYTHONPATH=. .venv/bin/python bench/studies/concurrency_series.py --cycles 120 --seconds 0.25
 
 Two forked processes, one thread each, run the calibration's GEMM (512 × 384 · 384 × 384, forward + backward):
 per cycle process 0 runs it alone for ``--seconds`` while process 1 sleeps, then both run it; the line shows

@@ -1,7 +1,8 @@
 """Per-rank model-state memory under DDP, ZeRO-1/2/3 (+offload) and FSDP2, measured on 2 CPU processes.
 
-    .venv/bin/python bench/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
-    .venv/bin/python bench/distributed_memory.py --peak [--cases fsdp1/full,fsdp2/lora]   # allocator peak
+    PYTHONPATH=. .venv/bin/python bench/studies/distributed_memory.py [--hidden 256 --layers 4 --steps 2] [--json]
+    PYTHONPATH=. .venv/bin/python bench/studies/distributed_memory.py --peak [--cases fsdp1/full,fsdp2/lora]
+        # allocator peak
 
 ``--peak``: FSDP1 and FSDP2, full fine-tuning, LoRA and QLoRA (bitsandbytes' CPU NF4, storage fp32), each in its own
 2-process gloo launch: a tiny random Llama (h 256, 4 layers, vocab 2000, fp32, AdamW, micro-batch 2, sequence 512),
@@ -35,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINES = {
     "ddp": [],
     "zero1": ["strategy.zero_stage=1"],
@@ -206,7 +207,7 @@ def peak_worker(case: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from estimate_vs_probe_dist import optimizer_step, second_step_peak  # bench/, beside this script
+    from bench.studies.estimate_vs_probe_dist import optimizer_step, second_step_peak
 
     dist.init_process_group("gloo")
     st = _peak_strategy(case)
@@ -229,7 +230,7 @@ def peak_worker(case: str) -> None:
 
 def peak_main(cases: list[str], as_json: bool) -> int:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     rows = []
     for i, case in enumerate(cases):
         if case not in PEAK_CASES:

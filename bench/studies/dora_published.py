@@ -1,6 +1,7 @@
 """DoRA's estimate against the four published DoRA rows and their LoRA twins.
 
-    .venv/bin/python bench/dora_published.py [--model llama-3.2-3b] [--rows ../shared/reference/gpu-runs/public.jsonl]
+    PYTHONPATH=. .venv/bin/python bench/studies/dora_published.py [--model llama-3.2-3b] \\
+        [--rows ../shared/reference/gpu-runs/public.jsonl]
 
 The rows: PEFT's MetaMathQA method comparison (huggingface/peft method_comparison/MetaMathQA/results),
 Llama-3.2-3B on 1x L40S, pure bf16 base with fp32 adapters, batch 4 x <= 768 tokens, AdamW, no
@@ -19,7 +20,7 @@ from memfit.spec.strategy import Strategy
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="llama-3.2-3b", help="preset, folder or config.json of Llama-3.2-3B")
-ap.add_argument("--rows", default=str(Path(__file__).resolve().parents[2] / "shared/reference/gpu-runs/public.jsonl"))
+ap.add_argument("--rows", default=str(Path(__file__).resolve().parents[3] / "shared/reference/gpu-runs/public.jsonl"))
 args = ap.parse_args()
 model = resolve_model(args.model)
 rows = [json.loads(line) for line in open(args.rows)]

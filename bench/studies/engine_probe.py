@@ -1,8 +1,11 @@
 """Where a sharded engine's step goes on this machine (docs/time.md "Sharded engines on a CPU").
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_probe.py cell 6          # ZeRO-2 row of bench/time_grid.py
-    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_probe.py cell 7 --ops    # FSDP2, + aten ops counted
-    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_probe.py collectives     # gloo per-call times, 2 ranks
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/engine_probe.py cell 6
+        # ZeRO-2 row of bench/time_grid.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/engine_probe.py cell 7 --ops
+        # FSDP2, + aten ops counted
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/engine_probe.py collectives
+        # gloo per-call times, 2 ranks
 
 ``cell N`` trains bench/time_grid.py's configuration N through memfit's measured worker (1 warm-up, 1
 profiled, 5 timed steps) with the engines' functions wrapped: per timed step (median, rank 0) the wall,
@@ -26,7 +29,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 WRAPPED = {"deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer":
            ("step", "reduce_independent_p_g_buckets_and_remove_grads"),
@@ -159,7 +161,7 @@ def probe_cell(index: int, count_ops: bool) -> None:
            "--master-port", str(29600 + os.getpid() % 300), __file__, "worker", str(work / "spec.json"), out,
            "1" if count_ops else "0"]
     env = env_for_measurement()
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     after = _op_seconds()
     d = json.loads(Path(out.format(rank=0)).read_text())

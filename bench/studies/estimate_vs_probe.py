@@ -1,6 +1,6 @@
 """Estimator vs the allocator-level peak of real training steps on this CPU (tiny random Llamas).
 
-Run: .venv/bin/python bench/estimate_vs_probe.py [--quick]
+Run: PYTHONPATH=. .venv/bin/python bench/studies/estimate_vs_probe.py [--quick]
 For each configuration it builds a tiny Llama from a config (random weights), runs one warm-up step
 (AdamW, zero_grad(set_to_none=True), like the HF Trainer), then measures one step with memfit's
 TensorMemoryProbe and prints the measured peak, memfit's ``memory.gpu_allocated_bytes`` and the error.

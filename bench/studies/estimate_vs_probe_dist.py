@@ -1,6 +1,6 @@
 """Estimator vs the allocator-level peak per rank under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 on this CPU.
 
-Run: .venv/bin/python bench/estimate_vs_probe_dist.py [--engines ddp,fsdp,zero2]
+Run: PYTHONPATH=. .venv/bin/python bench/studies/estimate_vs_probe_dist.py [--engines ddp,fsdp,zero2]
 Each engine runs a tiny random Llama (fp32, AdamW, micro-batch 2, seq 512) in 2 gloo processes under
 torchrun; rank 0 measures one step (after a warm-up step) with memfit's TensorMemoryProbe and compares
 it with ``memory.gpu_allocated_bytes`` for the ``2xCPU`` pool. ~30 s per engine on 2 cores.

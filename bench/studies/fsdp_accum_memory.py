@@ -1,12 +1,13 @@
 """FSDP with gradient accumulation as accelerate runs it (``no_sync`` for every micro-batch but the last), measured
 on 2 gloo processes against memfit's estimate.
 
-    .venv/bin/python bench/fsdp_accum_memory.py [--cases fsdp1/full,fsdp2/full] [--accum 2] [--json]
+    PYTHONPATH=. .venv/bin/python bench/studies/fsdp_accum_memory.py [--cases fsdp1/full,fsdp2/full] [--accum 2] \\
+        [--json]
 
 accelerate's ``Accelerator.no_sync`` is ``FullyShardedDataParallel.no_sync`` for FSDP1 and
 ``set_requires_gradient_sync(False)`` for FSDP2 (accelerate/accelerator.py); under it FSDP keeps every unit's
 unsharded gradient until the synchronising micro-batch (memfit/estimate/peak.py). The model, wrapping and probe are
-bench/distributed_memory.py's ``--peak`` setup (tiny random Llama, fp32, AdamW, micro-batch 2 x 512, wrapped as
+bench/studies/distributed_memory.py's ``--peak`` setup (tiny random Llama, fp32, AdamW, micro-batch 2 x 512, wrapped as
 accelerate wraps it); one optimizer step = ``--accum`` micro-batches, the first ``--accum - 1`` under no_sync.
 Each rank's allocator peak over the second step (memfit's TensorMemoryProbe) against ``gpu_allocated_bytes`` of the
 same strategy with ``grad_accum`` on the ``2xCPU`` pool. ~30 s per case on 2 cores.
@@ -23,8 +24,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 CASES = ("fsdp1/full", "fsdp2/full", "fsdp1/lora", "fsdp2/lora")
 
@@ -47,8 +46,8 @@ def _no_sync(model, version: str):
 def worker(case: str, accum: int) -> None:
     import torch
     import torch.distributed as dist
-    from distributed_memory import PEAK_RAW, _peak_strategy, _wrap
-    from estimate_vs_probe_dist import second_step_peak
+    from bench.studies.distributed_memory import PEAK_RAW, _peak_strategy, _wrap
+    from bench.studies.estimate_vs_probe_dist import second_step_peak
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dist.init_process_group("gloo")
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
     from memfit.distributed.launch import free_port
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
     results = []
     for case in args.cases.split(","):
         p = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), __file__,

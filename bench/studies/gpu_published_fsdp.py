@@ -1,11 +1,11 @@
 """memfit's memory estimate held against published multi-GPU FSDP runs (gpu-runs/public-time.jsonl's peak_memory).
 
-    PYTHONPATH=. .venv/bin/python bench/gpu_published_fsdp.py          # the table, the summary, the skips
-    PYTHONPATH=. .venv/bin/python bench/gpu_published_fsdp.py --json   # machine-readable
+    PYTHONPATH=. .venv/bin/python bench/studies/gpu_published_fsdp.py          # the table, the summary, the skips
+    PYTHONPATH=. .venv/bin/python bench/studies/gpu_published_fsdp.py --json   # machine-readable
 
 public.jsonl (bench/gpu_published.py) holds no FSDP row; public-time.jsonl's multi-GPU runs from torchtune's README
 (May 2024: FSDP1; Sept 2024: FSDP2), LitGPT's config hub (Fabric FSDP = FSDP1) and torchtitan (FSDP2) publish a
-peak per GPU with their configuration. bench/gpu_published_fsdp_rows.py maps each to a memfit run (the FSDP
+peak per GPU with their configuration. bench/studies/gpu_published_fsdp_rows.py maps each to a memfit run (the FSDP
 version, metric class and units read from each project's source at the row's commit; its docstring cites them);
 this file predicts each with ``memfit.estimate.estimate`` (what ``memfit.resolve.predict`` and the CLI call) at
 margin 0 and compares like with like: allocated with the estimate's allocated peak, reserved with its reserved
@@ -25,13 +25,10 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from bench.studies.gpu_published_fsdp_rows import DEFAULT_FILE, FsdpCase, load
 
-from gpu_published_fsdp_rows import DEFAULT_FILE, FsdpCase, load  # noqa: E402
+from memfit.estimate import estimate
 
-from memfit.estimate import estimate  # noqa: E402
 
 
 def _peak(case: FsdpCase, strategy) -> dict:

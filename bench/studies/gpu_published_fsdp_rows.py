@@ -1,7 +1,7 @@
 """The multi-GPU FSDP runs of gpu-runs/public-time.jsonl that publish a peak memory figure, as memfit runs.
 
 One row -> one FsdpCase (model, hardware, strategy, the metric it published, the bytes, the engine version and
-where that was read) or a Skip naming why memfit cannot express it. bench/gpu_published_fsdp.py predicts and
+where that was read) or a Skip naming why memfit cannot express it. bench/studies/gpu_published_fsdp.py predicts and
 scores them. Hardware, LoRA targets and models come from bench/public_time_rows.py (the time bench's mapping of
 the same file); what differs for memory is here, each rule with the engine source it was read from:
 
@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import public_time_rows as ptr
+from bench import public_time_rows as ptr
 
 from memfit.spec.hardware import GiB, HardwareSpec
 from memfit.spec.model import ModelSpec, model_from_config

@@ -1,8 +1,8 @@
 """Measured vs predicted on a grid of configurations on this machine (CPU or GPU).
 
-    .venv/bin/python bench/measure_grid.py                 # 24 single-process configurations
-    .venv/bin/python bench/measure_grid.py --distributed   # + 2-process FSDP / ZeRO configurations
-    .venv/bin/python bench/measure_grid.py --quick         # 4 configurations (smoke)
+    PYTHONPATH=. .venv/bin/python bench/studies/measure_grid.py                 # 24 single-process configurations
+    PYTHONPATH=. .venv/bin/python bench/studies/measure_grid.py --distributed   # + 2-process FSDP / ZeRO configurations
+    PYTHONPATH=. .venv/bin/python bench/studies/measure_grid.py --quick         # 4 configurations (smoke)
 
 Two tiny model shapes built here with random weights (no hub): a Llama-style model (multi-head
 attention, untied output layer) and a Qwen2-style model (grouped-query attention with 2 KV heads,
@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 SHAPES = {
     "llama": dict(arch="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=4,

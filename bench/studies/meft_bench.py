@@ -2,8 +2,8 @@
 seed's LLaMA-7B setting, (b) CPU retrieval time Key-Experts vs brute-force top-K, (c) CPU step time of
 a tiny model with MEFT vs LoRA (peft).
 
-    .venv/bin/python bench/meft_bench.py            # all three (~1-2 minutes on 2 cores)
-    .venv/bin/python bench/meft_bench.py --only a   # one part; --json for machine-readable output
+    PYTHONPATH=. .venv/bin/python bench/studies/meft_bench.py            # all three (~1-2 minutes on 2 cores)
+    PYTHONPATH=. .venv/bin/python bench/studies/meft_bench.py --only a   # one part; --json for machine-readable output
 """
 
 from __future__ import annotations

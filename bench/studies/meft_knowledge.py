@@ -1,9 +1,9 @@
 """MEFT's claim in miniature (issue 24; the fair protocol of issue 38): more knowledge stored per device byte
 than LoRA?
 
-A closed-book knowledge task generated here (bench/meft_knowledge_data.py). The base, a small Llama-shaped
+A closed-book knowledge task generated here (bench/studies/meft_knowledge_data.py). The base, a small Llama-shaped
 model pre-trained on the facts of other entities in the same question/answer templates and on a copy task,
-is shipped with the bench (bench/assets/meft_base/, safetensors; meft_knowledge_base.py) so that every
+is shipped with the bench (bench/studies/assets/meft_base/, safetensors; meft_knowledge_base.py) so that every
 machine starts from the same weights; ``--pretrain`` makes a fresh one through ``memfit train`` instead.
 Each method stores the facts of new entities, mixed with new copy examples, through memfit's own training
 path (a run file per run, read by ``memfit.spec.run.load_run`` and trained by ``memfit.train.api.train``,
@@ -14,8 +14,10 @@ of the other (test) entities' facts. Measured per run: that recall, the control 
 trained on), device/host bytes of trainable state (meft_knowledge_bytes.py), bytes moved per step (MEFT's
 own counters) and time per step (process CPU time, one thread; wall time beside it).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py            # the full bench (~15 min, 2 cores)
-    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge.py --quick    # CI smoke: exit 1 if MEFT stops learning
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/meft_knowledge.py
+        # the full bench (~15 min, 2 cores)
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/meft_knowledge.py --quick
+        # CI smoke: exit 1 if MEFT stops learning
 
 Writes bench/results/meft_knowledge_fair_<date>.json (``--out``) and the plot docs/meft_knowledge.png.
 """
@@ -31,9 +33,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from meft_knowledge_data import ModelSize, TaskSize  # noqa: E402
+from bench.studies.meft_knowledge_data import ModelSize, TaskSize
 
 K = 256  # key-value pairs per layer of the dense Parallel Adapter and of MEFT
 LORA = {"method": "lora", "lora_dropout": 0.0}
@@ -163,7 +164,7 @@ def work(job: Job) -> Job:
     import torch
 
     torch.set_num_threads(1)
-    from meft_knowledge_probe import Probe, load_task
+    from bench.studies.meft_knowledge_probe import Probe, load_task
 
     from memfit.spec.run import load_run
     from memfit.train.api import train
@@ -182,7 +183,7 @@ def work(job: Job) -> Job:
                   "first_loss": result.first_loss, "final_loss": result.final_loss,
                   "meft_extra": job.meft_extra}
     if job.method != "pretrain":
-        from meft_knowledge_bytes import predicted
+        from bench.studies.meft_knowledge_bytes import predicted
 
         job.result["predicted"] = predicted(run, job.dense_neurons or None)
     (Path(job.workdir) / "results").mkdir(exist_ok=True)  # each run's row survives an interrupted bench
@@ -201,10 +202,10 @@ def run_jobs(jobs: list[Job], n: int) -> list[Job]:
 
 
 def prepare(workdir: Path, setup: Setup, jobs: int, pretrain: bool = False) -> dict:
-    """The task's files in ``workdir`` and the base model: the shipped one (bench/assets/meft_base/), or with
+    """The task's files in ``workdir`` and the base model: the shipped one (bench/studies/assets/meft_base/), or with
     ``pretrain`` a fresh pre-training through memfit (method full, cached in the workdir). The result holds
     ``saved_to`` (the base's folder) and the base's step-0 scores (``recall``: test entities)."""
-    from meft_knowledge_base import pretrained, shipped
+    from bench.studies.meft_knowledge_base import pretrained, shipped
 
     if pretrain:
         return pretrained(workdir, setup, run_dict, Job, run_jobs)
@@ -257,7 +258,7 @@ def bench(setup: Setup, workdir: Path, jobs: int, methods=METHODS, pretrain=Fals
     best = {m.name: pick_lr([j for j in search if j.method == m.name]) for m in methods}
     rest = run_or_resume(finetune_jobs(workdir, model, setup, methods, best, setup.seeds[1:]), workdir, jobs,
                          resume) if len(setup.seeds) > 1 else []
-    from meft_knowledge_bytes import dense_adapter_measured
+    from bench.studies.meft_knowledge_bytes import dense_adapter_measured
 
     m0 = setup.model
     return {"pretrain": pre, "best_lr": best, "lr_rule": "seed 0 over the grid; highest validation-entity recall "
@@ -310,7 +311,7 @@ def parse(argv=None):
     ap.add_argument("--pretrain", action="store_true", help="pre-train a fresh base through memfit instead of "
                     "loading the shipped one (its CPU's floating-point path decides its weights)")
     ap.add_argument("--ship-base", action="store_true", help="pre-train (as --pretrain) and write the result "
-                    "to bench/assets/meft_base/ with made.json; no fine-tuning")
+                    "to bench/studies/assets/meft_base/ with made.json; no fine-tuning")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/meft_knowledge_fair_<date>.json)")
     ap.add_argument("--plot", default="docs/meft_knowledge.png")
     ap.add_argument("--replot", metavar="JSON", help="redraw the table and plot from results files "
@@ -332,7 +333,7 @@ def regime(setup: Setup) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from meft_knowledge_report import grid_table, plot, shape_check, summarize, table
+    from bench.studies.meft_knowledge_report import grid_table, plot, shape_check, summarize, table
 
     if args.replot:
         docs = [json.loads(Path(f).read_text()) for f in args.replot.split(",")]  # one table of several runs
@@ -347,9 +348,9 @@ def main(argv=None) -> int:
     setup, methods = custom_setup(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="meft_knowledge_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["bench/meft_knowledge.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["bench/studies/meft_knowledge.py", *(sys.argv[1:] if argv is None else argv)])
     if args.ship_base:
-        from meft_knowledge_base import ship
+        from bench.studies.meft_knowledge_base import ship
 
         pre = prepare(workdir, setup, 1, pretrain=True)
         print(f"shipped {ship(pre, setup, command)}: final loss {pre['final_loss']:.3f}, "

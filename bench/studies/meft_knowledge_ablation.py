@@ -1,4 +1,4 @@
-"""Why the dense Parallel Adapter stores fewer facts than LoRA in bench/meft_knowledge.py (issue 24):
+"""Why the dense Parallel Adapter stores fewer facts than LoRA in bench/studies/meft_knowledge.py (issue 24):
 small controlled experiments on seed 0, through the bench's own data, model, pre-training and run path.
 
 Groups (``--groups``, default all): ``lr`` the learning-rate grid 1e-3 ... 1e-1 of the dense PA, MEFT
@@ -8,7 +8,7 @@ does not search); ``place`` LoRA r=32 on the FFN's projections only vs on attent
 LoRA r=2 with the embeddings trained too; ``init`` the PA with random keys instead of the FFN's rows;
 ``buffer`` MEFT top-k 12 at 1,200 steps with a buffer of all 256 rows (none of the batch's chosen neurons
 dropped) and with all 16 experts probed (exact top-k, no routing error); ``buffer-seeds`` the 256-row
-buffer at 600 steps on seeds 0-2 (to set beside bench/meft_knowledge.py --steps 600); ``lr600`` the rate
+buffer at 600 steps on seeds 0-2 (to set beside bench/studies/meft_knowledge.py --steps 600); ``lr600`` the rate
 searched again at 600 steps (3e-3, 1e-2, 3e-2) for the PA, MEFT top-k 12 and LoRA r=2;
 ``signal`` (no training) how well the frozen base model carries the entity to the answer position;
 ``gap`` what separates MEFT with a 256-row buffer (no drops) from the dense PA at 600 steps: exact top-k 12
@@ -18,30 +18,29 @@ with dense AdamW, exact top-k 32 / 64 without a router (how recall follows the a
 top-k 32 / 64 (4 / 8 of 16 experts probed) with a 256-row buffer; ``gap-seeds`` five of them (SEEDED_GAP)
 on seeds 0-2 (with ``--resume`` the seed-0 runs of ``gap`` are reused from the workdir).
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/meft_knowledge_ablation.py --workdir /tmp/mka
-    .venv/bin/python bench/meft_knowledge_ablation.py --print    # its summary (--all: every run)
+    OMP_NUM_THREADS=1 PYTHONPATH=. nice -n 19 .venv/bin/python bench/studies/meft_knowledge_ablation.py \\
+        --workdir /tmp/mka
+    PYTHONPATH=. .venv/bin/python bench/studies/meft_knowledge_ablation.py --print    # its summary (--all: every run)
 
 Each finished group is written at once to bench/results/meft_knowledge_ablation_<date>.json (``--out``);
 groups already in it are skipped on a rerun (``--redo`` runs them again).
 
 Its recorded results (bench/results/meft_knowledge_ablation_2026-12-02.json) are of the 2026-12-02 machine,
 whose base was pre-trained in the run on the task of that day; a rerun now starts from the shipped base
-(bench/assets/meft_base/, bench/meft_knowledge_base.py) and its ``recall`` is the test entities' (the bench's
-fair protocol); the ablation's rates are still picked as its groups say, by that recall.
+(bench/studies/assets/meft_base/, bench/studies/meft_knowledge_base.py) and its ``recall`` is the test entities'
+(the bench's fair protocol); the ablation's rates are still picked as its groups say, by that recall.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import meft_knowledge as B  # noqa: E402
+from bench.studies import meft_knowledge as B
 
 GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 BY_NAME = {m.name: m for m in B.METHODS}
@@ -130,7 +129,7 @@ def run_group(name: str, setup: B.Setup, methods: list, workdir: Path, jobs: int
 
 
 def signal(workdir: Path, jobs: int) -> dict:
-    from meft_knowledge_signal import entity_signal
+    from bench.studies.meft_knowledge_signal import entity_signal
 
     pre = B.prepare(workdir, B.FULL, jobs)
     return {"pretrain_recall_new": pre["recall"], **entity_signal(Path(pre["saved_to"]),
@@ -209,7 +208,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     read = lambda: json.loads(out.read_text()) if out.is_file() else {  # noqa: E731
-        "setup": "seed 0; bench/meft_knowledge.py's FULL task and model", "rows": []}
+        "setup": "seed 0; bench/studies/meft_knowledge.py's FULL task and model", "rows": []}
     doc = read()
     if args.print:
         print(table(doc) if args.all else summary(doc), signal_lines(doc), sep="\n\n")

@@ -1,9 +1,9 @@
-"""The base model of bench/meft_knowledge.py: shipped pre-trained weights (bench/assets/meft_base/), or a fresh
-pre-training through ``memfit train`` (method full) with ``--pretrain``.
+"""The base model of bench/studies/meft_knowledge.py: shipped pre-trained weights (bench/studies/assets/meft_base/),
+or a fresh pre-training through ``memfit train`` (method full) with ``--pretrain``.
 
 Pre-training in every bench run made the base -- and so every method's starting point -- depend on the CPU's
 floating-point path (two machines gave two orderings of MEFT and LoRA, docs/meft.md). The bench now loads
-the weights made once by ``bench/meft_knowledge.py --ship-base`` (safetensors, config, tokenizer; how they
+the weights made once by ``bench/studies/meft_knowledge.py --ship-base`` (safetensors, config, tokenizer; how they
 were made is in made.json beside them) and only re-pre-trains when asked. Nothing here unpickles: the
 weights load through safetensors (``use_safetensors=True``), the rest is JSON.
 """
@@ -25,7 +25,7 @@ SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "
 
 def write_task(workdir: Path, setup) -> dict:
     """The task's files in ``workdir`` (task.json, pretrain.jsonl, finetune.jsonl); the task."""
-    from meft_knowledge_data import make_task, write_jsonl
+    from bench.studies.meft_knowledge_data import make_task, write_jsonl
 
     task = make_task(setup.task, seed=0)
     (workdir / "task.json").write_text(json.dumps(task))
@@ -39,7 +39,7 @@ def base_scores(model_dir: Path, task: dict, batch: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meft_knowledge_probe import scores
+    from bench.studies.meft_knowledge_probe import scores
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, dtype=torch.float32)
@@ -48,12 +48,12 @@ def base_scores(model_dir: Path, task: dict, batch: int) -> dict:
 
 def shipped(workdir: Path, setup) -> dict:
     """The shipped base for this task: its folder, how it was made, and its step-0 scores."""
-    from meft_knowledge_data import ModelSize
+    from bench.studies.meft_knowledge_data import ModelSize
 
     if setup.model != ModelSize():
         raise SystemExit(f"the shipped base is {asdict(ModelSize())}; for {asdict(setup.model)} pass --pretrain")
     if not (ASSET / "model.safetensors").is_file():
-        raise SystemExit(f"no shipped base in {ASSET}: run bench/meft_knowledge.py --ship-base once")
+        raise SystemExit(f"no shipped base in {ASSET}: run bench/studies/meft_knowledge.py --ship-base once")
     task = write_task(workdir, setup)
     made = json.loads((ASSET / "made.json").read_text())
     return {"saved_to": str(ASSET), "source": "shipped", "made": made,
@@ -64,7 +64,7 @@ def pretrained(workdir: Path, setup, run_dict, Job, run_jobs) -> dict:
     """Pre-trains a random-init base through memfit (method full) in ``workdir``; a workdir that already
     holds the pre-training of the same task, model and steps is reused. Its result row carries the step-0
     (after pre-training, before fine-tuning) scores."""
-    from meft_knowledge_data import build_model
+    from bench.studies.meft_knowledge_data import build_model
 
     key = json.dumps([asdict(setup.task), asdict(setup.model), setup.pretrain_steps, setup.pretrain_lr,
                       setup.batch, setup.seq_len])
@@ -89,7 +89,7 @@ def ship(pre: dict, setup, command: str, dest: Path = ASSET) -> Path:
     for name in SHIPPED_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dest / name)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     try:  # read-only git: no index refresh
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
         dirty = bool(subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "bench/"],

@@ -1,4 +1,4 @@
-"""Bytes of bench/meft_knowledge.py: the trainable state each method keeps on the device and on the host,
+"""Bytes of bench/studies/meft_knowledge.py: the trainable state each method keeps on the device and on the host,
 predicted by memfit's estimator and measured on the tensors a run holds, and bytes moved per step.
 
 "Device-resident trainable state" = trainable parameters + their gradients + optimizer state held by the

@@ -1,4 +1,4 @@
-"""The closed-book knowledge task of bench/meft_knowledge.py, generated locally (no download).
+"""The closed-book knowledge task of bench/studies/meft_knowledge.py, generated locally (no download).
 
 Entities are random one-word names (``zoka``, one token each); each has one value per relation (city,
 colour, job, pet), asked by one question template (``Q : what is the city of zoka ? A :``) and

@@ -1,9 +1,9 @@
 """The Key-Experts gate MEFT puts on its selected neurons, read from trained runs of
-bench/meft_knowledge_ablation.py (docs/meft.md, item 6 (iii)): the pre-trained base of the workdir plus a
+bench/studies/meft_knowledge_ablation.py (docs/meft.md, item 6 (iii)): the pre-trained base of the workdir plus a
 run's saved adapter (``load_meft``), one forward over the new facts, and the gate of every selected (token,
 neuron) pair (``n_probe`` x softmax over the token's probed experts; 1 on average at initialisation).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/meft_knowledge_gates.py --workdir /tmp/mka \\
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/meft_knowledge_gates.py --workdir /tmp/mka \\
         meft-k12-probe16-buf256-lr0.01-s0-600steps meft-k12-buf256-dense-adam-lr0.01-s0-600steps
 """
 
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def gates(base: str, adapter: str | None, records: list[dict]):
@@ -25,7 +22,7 @@ def gates(base: str, adapter: str | None, records: list[dict]):
 
     import memfit.meft.layer as layer
     from memfit.meft import MeftConfig, add_meft, load_meft
-    from meft_knowledge_data import build_tokenizer, encode
+    from bench.studies.meft_knowledge_data import build_tokenizer, encode
 
     model = AutoModelForCausalLM.from_pretrained(base)
     if adapter:

@@ -1,4 +1,4 @@
-"""The callback bench/meft_knowledge.py attaches to each memfit training run: time per step (process CPU
+"""The callback bench/studies/meft_knowledge.py attaches to each memfit training run: time per step (process CPU
 time and wall), trainable-state bytes measured on the live tensors after the second optimizer step, MEFT's
 bytes moved per step (its own transfer counters), and at the end closed-book recall on the new facts and
 the control task, scored on the trained model in place (:func:`scores`: ``recall`` is the test entities'
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from meft_knowledge_bytes import measured, measured_grad_bytes
-from meft_knowledge_data import answer_nll, build_tokenizer, recall
+from bench.studies.meft_knowledge_bytes import measured, measured_grad_bytes
+from bench.studies.meft_knowledge_data import answer_nll, build_tokenizer, recall
 
 _TASKS: dict = {}
 

@@ -1,4 +1,4 @@
-"""The tables, the plot and the checklist of bench/meft_knowledge.py, from its raw results (one row per method:
+"""The tables, the plot and the checklist of bench/studies/meft_knowledge.py, from its raw results (one row per method:
 the seed-0 run at the rate picked on validation recall plus the other seeds at that rate; ``recall`` is the
 test entities' recall, mean over seeds, ``recall_pm`` half the range, ``recall_runs`` per seed)."""
 
@@ -115,8 +115,8 @@ def plot(rows: list[dict], path: str, baseline: float | None = None, steps: int 
     ax.set_xscale("log")
     ax.set_xlabel("device-resident trainable state, MB (params + grads + Adam; measured)")
     ax.set_ylabel("closed-book exact-match recall of new facts, %")
-    ax.set_title(f"bench/meft_knowledge.py, {steps} steps: test-entity recall vs device bytes (mean, ± half-range "
-                 "over seeds)", fontsize=9)
+    ax.set_title(f"bench/studies/meft_knowledge.py, {steps} steps: test-entity recall vs device bytes "
+                 "(mean, ± half-range over seeds)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

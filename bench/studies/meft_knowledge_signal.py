@@ -1,4 +1,4 @@
-"""How well the frozen, pre-trained base model of bench/meft_knowledge.py carries a question's entity to
+"""How well the frozen, pre-trained base model of bench/studies/meft_knowledge.py carries a question's entity to
 the position that must predict the answer (the FFN-side adapters, PA and MEFT, see only that position's
 FFN input there). Measured for the pre-trained entities ("old", 32 of them) and for the new entities whose
 facts the methods store ("new"), per layer:
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def _questions(records: list[dict], entities: int) -> list[dict]:
-    from meft_knowledge_data import RELATIONS
+    from bench.studies.meft_knowledge_data import RELATIONS
 
     facts = [r for r in records if r["kind"] in RELATIONS]
     keep = set(list(dict.fromkeys(r["prompt"].split()[-4] for r in facts))[:entities])
@@ -27,7 +27,7 @@ def _features(model, tok, records: list[dict]) -> dict:
     """FFN inputs at the answer position per layer, attention to the entity per layer, entity ids."""
     import torch
 
-    from meft_knowledge_data import encode
+    from bench.studies.meft_knowledge_data import encode
 
     ids, mask, targets = encode(records, tok)
     last = (targets != -100).float().argmax(dim=1)
@@ -65,7 +65,7 @@ def _centroid_accuracy(x, ent, kinds: list) -> float:
 def entity_signal(model_dir: Path, task: dict, entities: int = 32) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from meft_knowledge_data import build_tokenizer
+    from bench.studies.meft_knowledge_data import build_tokenizer
 
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()

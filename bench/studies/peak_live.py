@@ -1,6 +1,6 @@
-"""What is live at each phase's peak of one ``bench/distributed_memory.py --peak`` case, by allocation site.
+"""What is live at each phase's peak of one ``bench/studies/distributed_memory.py --peak`` case, by allocation site.
 
-    .venv/bin/python bench/peak_live.py fsdp1/full+gc [--top 12]
+    PYTHONPATH=. .venv/bin/python bench/studies/peak_live.py fsdp1/full+gc [--top 12]
 
 Runs the case as ``--peak`` does (2 gloo ranks, the same model, wrapping and warm-up step), profiles the
 measured step with Python stacks, replays its allocation events as the probe does (memfit.measure.alloc_events:
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SITES = (  # (category, any of these in the allocation's stack), first match wins
     ("gloo reduce-scatter clone", ("c10d::",)),
     ("unsharded params", ("_alloc_padded_unsharded_flat_param", "alloc_all_gather_outputs", "foreach_all_gather")),
@@ -89,8 +89,8 @@ def worker(case: str, top_n: int) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from distributed_memory import build_case  # bench/, beside this script
-    from estimate_vs_probe_dist import _free_fsdp1_stale_grads, optimizer_step
+    from bench.studies.distributed_memory import build_case
+    from bench.studies.estimate_vs_probe_dist import _free_fsdp1_stale_grads, optimizer_step
     from memfit.measure.alloc_events import allocations
     from memfit.measure.probe import live_storage_bytes
 
@@ -124,19 +124,18 @@ def worker(case: str, top_n: int) -> None:
 
 def main() -> int:
     if "--worker" in sys.argv:
-        sys.path.insert(0, str(ROOT / "bench"))
         i = sys.argv.index("--worker")
         worker(sys.argv[i + 1], int(sys.argv[i + 2]))
         return 0
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", help="a bench/distributed_memory.py --peak case, e.g. fsdp1/full+gc")
+    ap.add_argument("case", help="a bench/studies/distributed_memory.py --peak case, e.g. fsdp1/full+gc")
     ap.add_argument("--top", type=int, default=12, help="largest blocks listed at the peak")
     a = ap.parse_args()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+               PYTHONPATH=str(ROOT))
     out = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29690", __file__, "--worker",
                           a.case, str(a.top)], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     print(out.stdout, end="")

@@ -1,14 +1,15 @@
-"""Where a CPU training process's RSS goes: `memfit train` runs traced (bench/rss_trace/sitecustomize.py).
+"""Where a CPU training process's RSS goes: `memfit train` runs traced (bench/studies/rss_trace/sitecustomize.py).
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/rss_breakdown.py            # 8 configs x 2 allocators, ~12 min
-    .venv/bin/python bench/rss_breakdown.py --configs auto --malloc default
+    OMP_NUM_THREADS=1 PYTHONPATH=. nice -n 19 .venv/bin/python bench/studies/rss_breakdown.py
+        # 8 configs x 2 allocators, ~12 min
+    PYTHONPATH=. .venv/bin/python bench/studies/rss_breakdown.py --configs auto --malloc default
 
-Model and data as bench/auto_vs_default.py (Llama-style h 256 / 4 layers, vocab 480, fp32, 8 sequences of
+Model and data as bench/studies/auto_vs_default.py (Llama-style h 256 / 4 layers, vocab 480, fp32, 8 sequences of
 512 tokens per optimizer step). Each configuration trains through `python -m memfit train RUN --json` in its
 own process, with a tracer that samples /proc/self/statm every 2 ms and glibc's mallinfo2 at each new RSS
 high and at train begin / step begin / step end. ``--malloc``: ``default`` = glibc as a user's shell starts
 it (dynamic mmap threshold), ``bench`` = MALLOC_MMAP_THRESHOLD_=32 MiB (what bench/time_grid.py sets and
-bench/auto_vs_default.py's subprocesses inherit), ``measure`` = 65536 (memfit.measure.probe).
+bench/studies/auto_vs_default.py's subprocesses inherit), ``measure`` = 65536 (memfit.measure.probe).
 
 Prints, per run: the estimate (tensor peak = the "gpu" lines on the CPU pseudo-device; process line) and
 measured peak RSS, split into file-backed (shared libraries) and anonymous; the anonymous RSS at train
@@ -25,8 +26,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 CONFIGS = {  # name -> strategy fields (fp32, seq 512, 8 sequences per step)
     "auto": dict(method="full", gradient_checkpointing=False, attention="sdpa", micro_batch_size=8, grad_accum=1),
@@ -48,7 +47,7 @@ MALLOC = {"default": None, "bench": str(32 << 20), "measure": "65536"}
 
 
 def run_one(name: str, malloc: str, args, model: Path, data: Path) -> dict:
-    from auto_vs_default import _common
+    from bench.studies.auto_vs_default import _common
 
     from memfit.spec.run import run_from_dict, save_run
 
@@ -61,7 +60,7 @@ def run_one(name: str, malloc: str, args, model: Path, data: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     if MALLOC[malloc]:
         env["MALLOC_MMAP_THRESHOLD_"] = MALLOC[malloc]
-    env.update(PYTHONPATH=f"{HERE / 'rss_trace'}:{HERE.parent}", MEMFIT_RSS_TRACE=str(trace))
+    env.update(PYTHONPATH=f"{HERE / 'rss_trace'}:{HERE.parents[1]}", MEMFIT_RSS_TRACE=str(trace))
     out = subprocess.run([sys.executable, "-m", "memfit", "train", str(path), *_common(args.steps), "--overwrite",
                           "--json"], capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
@@ -90,7 +89,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/memfit-rss-breakdown"))
     ap.add_argument("--models", type=Path, default=Path("/tmp/memfit-time-grid-models"))
     args = ap.parse_args()
-    from time_grid import build_models, text_data
+    from bench.time_grid import build_models, text_data
 
     model = build_models(args.models)["llama"]
     data = text_data(args.work / "data.jsonl", 8 * (args.steps + 2), args.seq_len)

@@ -2,7 +2,7 @@
 bench/time_grid.py gives each process two steps per turn and times the second; docs/time.md "Interleaved
 turns").
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/step_warmth.py        # ~30 s
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/step_warmth.py        # ~30 s
 
 The Qwen2-style model of bench/time_grid.py with LoRA on every linear, eager attention, 1 x 128 tokens (a
 small, dispatch-bound step), one thread, a bare loop (forward, backward, clipping, AdamW). Prints the median
@@ -16,9 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 
 def main() -> int:
@@ -26,7 +23,7 @@ def main() -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from time_grid import build_models
+    from bench.time_grid import build_models
 
     torch.set_num_threads(1)
     folder = build_models(Path("/tmp/memfit-time-grid-models"))["qwen2"]

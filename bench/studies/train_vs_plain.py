@@ -5,7 +5,7 @@ same hyperparameters, each in its own fresh process (so each process's peak RSS 
 memfit / plain for --repeats rounds. Printed: the median step time (first steps left out) and peak RSS of
 each, and memfit's difference (target: within 3 % time and 2 % memory).
 
-    .venv/bin/python bench/train_vs_plain.py [--steps 30] [--repeats 3] [--seq-len 128] [--batch 8]
+    PYTHONPATH=. .venv/bin/python bench/studies/train_vs_plain.py [--steps 30] [--repeats 3] [--seq-len 128] [--batch 8]
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The plain script: what a user writes with transformers + peft alone (same rendering and masking).
 PLAIN = textwrap.dedent('''

@@ -1,6 +1,6 @@
 """The HF Trainer's own cost per step on this machine, in small-op costs (the Profile's trainer_* constants).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/trainer_overhead.py          # ~2 minutes
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/studies/trainer_overhead.py          # ~2 minutes
 
 On a Llama of width 16 (compute is nil) every configuration runs twice: through memfit's trainer
 (``memfit measure``'s path: a fresh process, 2 warm-up + 25 timed steps, the median loop iteration,
@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CASES = [("full", None, 1, 2), ("full", None, 4, 2), ("full", None, 1, 6), ("lora", ["q_proj", "v_proj"], 1, 2),
          ("lora", ALL, 1, 2), ("lora", ALL, 4, 2), ("lora", ALL, 1, 6)]

@@ -3,13 +3,11 @@ shipped accuracy JSON gives, so a figure that drifts from the bench fails here."
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import doc_figures as D
 
-import doc_figures as D  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_figure_block_matches_the_json():

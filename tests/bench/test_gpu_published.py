@@ -1,12 +1,9 @@
 """bench/gpu_published.py on a three-row file: a measured row, an OOM row and a row memfit cannot express."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import gpu_published as G  # noqa: E402
+from bench import gpu_published as G
 
 BASE = {"source_group": "g", "gpu": {"model": "NVIDIA A100 80GB", "count": 1}, "engine": "single GPU",
         "method": "qlora", "lora": {"r": 16, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
@@ -85,7 +82,7 @@ def test_an_fsdp1_row_is_mapped_with_its_checkpoint(tmp_path, capsys):
     unnamed = {**fsdp, "id": "x", "engine": "HF accelerate FSDP (settings not given)"}
     path = tmp_path / "runs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (fsdp, unnamed)) + "\n")
-    import gpu_published_rows as R
+    from bench import gpu_published_rows as R
 
     case = R.convert(fsdp)
     st = case.strategy

@@ -1,20 +1,16 @@
-"""bench/gpu_published_fsdp.py: the published multi-GPU FSDP runs (gpu-runs/public-time.jsonl) predicted in-process
-(the accumulation term they exposed is pinned by hand in tests/estimate/test_fsdp_accum.py).
+"""bench/studies/gpu_published_fsdp.py: the published multi-GPU FSDP runs (gpu-runs/public-time.jsonl) predicted
+in-process (the accumulation term they exposed is pinned by hand in tests/estimate/test_fsdp_accum.py).
 
 The bench part is skipped where ../shared is absent. Its figures are the ones the bench prints
-(``PYTHONPATH=. .venv/bin/python bench/gpu_published_fsdp.py``), with a small margin, so a change that makes the
+(``PYTHONPATH=. .venv/bin/python bench/studies/gpu_published_fsdp.py``), with a small margin, so a change that makes the
 estimator worse on these runs fails here.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import gpu_published_fsdp as B  # noqa: E402
-import gpu_published_fsdp_rows as R  # noqa: E402
+from bench.studies import gpu_published_fsdp as B, gpu_published_fsdp_rows as R
 
 shared = pytest.mark.skipif(not R.DEFAULT_FILE.is_file(), reason=f"reference runs absent: {R.DEFAULT_FILE}")
 

@@ -1,17 +1,12 @@
 """The GPU time model's held-out error bars: regenerated from the public rows, never stale."""
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
 
-import gpu_time_fit as F  # noqa: E402
-import public_time_rows  # noqa: E402
+from bench import gpu_time_fit as F, public_time_rows
 
 needs_rows = pytest.mark.skipif(not public_time_rows.DEFAULT_FILE.is_file(), reason="gpu-runs/public-time.jsonl absent")
 
@@ -40,7 +35,7 @@ def test_held_out_figures_on_public_rows_do_not_regress():
 
 
 def test_seed_runtime_findings():
-    import seed_time_checks
+    from bench import seed_time_checks
 
     checks = seed_time_checks.run()
     assert len(checks) == 5
@@ -56,7 +51,7 @@ def test_estimate_json_carries_the_time_error_bar():
     t = estimate(resolve_model("llama-2-7b"), parse_hardware("A100-80GB"), Strategy(method="lora")).to_dict()["time"]
     err = t["published_error"]
     assert err["basis"] == "development" and err["kind"] == "lora, 1 GPU" and err["rows"] >= 10
-    import provenance
+    from bench import provenance
 
     want = provenance.basis("time", err["groups"], provenance.load())
     assert err["hand_set"] == want["hand_set"] and len(want["hand_set"]) >= 3 and err["rests_on"] == want["rests_on"]

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from bench import gpu_time_published as G
+
+from memfit.estimate import estimate
+from memfit.spec.hardware import GiB, HardwareSpec, find_gpu
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import Strategy
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import gpu_time_published as G  # noqa: E402
-
-from memfit.estimate import estimate  # noqa: E402
-from memfit.spec.hardware import GiB, HardwareSpec, find_gpu  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-from memfit.spec.strategy import Strategy  # noqa: E402
 
 ROW = {"id": "fms-main-none-lora-Mistral-7B-v0.1-1gpu-bs4", "source_group": "fms-main", "status": "success",
        "gpu": {"model": "NVIDIA A100 80GB", "count": 1}, "engine": "single GPU, launched with plain `python`",
@@ -54,7 +53,7 @@ def test_all_rows_finite_without_torch():
     """Every throughput row of the shared file and memfit's H200 runs predicts finite numbers, no torch."""
     if not G.gp.DEFAULT_FILE.is_file():
         pytest.skip("gpu-runs/public.jsonl not present")
-    code = ("import sys, json; sys.path.insert(0, 'bench'); import gpu_time_published as G\n"
+    code = ("import sys, json; from bench import gpu_time_published as G\n"
             "out = G.run(G.gp.DEFAULT_FILE, G.GPU_CHECKS)\n"
             "print(json.dumps({'torch': 'torch' in sys.modules, 'rows': [[r['group'], r['predicted_tps'],"
             " r['published_tps'], r['error']] for r in out['rows']], 'skipped': len(out['skipped'])}))")

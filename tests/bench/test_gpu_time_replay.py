@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_h200_bare_loop_replayed_within_the_measured_error():
     saved = ROOT / "bench/results/gpu_time_check_h200_2026-11-30_third.json"
-    out = subprocess.run([sys.executable, str(ROOT / "bench/gpu_time_check.py"), "--replay", str(saved)],
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_time_check", "--replay", str(saved)],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     calibrated = out.split("-- catalog")[0]
     median, worst = map(float, re.search(r"median ([\d.]+) %, max ([\d.]+) % \(n=15\)", calibrated).groups())

@@ -1,20 +1,15 @@
 """bench/public_time.py: published GPU throughputs mapped to memfit runs, and the scorer (no torch)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
 
-import public_time as pt  # noqa: E402
-import public_time_rows as rows  # noqa: E402
+from bench import public_time as pt, public_time_rows as rows
 
-from memfit.spec.hardware import HardwareSpec, find_gpu  # noqa: E402
-from memfit.spec.model import resolve_model  # noqa: E402
-from memfit.spec.strategy import Strategy  # noqa: E402
+from memfit.spec.hardware import HardwareSpec, find_gpu
+from memfit.spec.model import resolve_model
+from memfit.spec.strategy import Strategy
 
 
 def _published():

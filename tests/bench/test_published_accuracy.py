@@ -8,14 +8,11 @@ no longer matches what the bench computes (a constant changed without ``--write-
 """
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import gpu_published as G  # noqa: E402
+from bench import gpu_published as G
 
 pytestmark = pytest.mark.skipif(not G.DEFAULT_FILE.is_file(), reason=f"reference runs absent: {G.DEFAULT_FILE}")
 

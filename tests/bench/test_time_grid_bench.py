@@ -2,15 +2,13 @@
 calibration it took, Kendall's tau (no measuring here)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import time_grid as tg  # noqa: E402
+from bench import time_grid as tg
 
-from memfit.spec import hwprofile  # noqa: E402
+from memfit.spec import hwprofile
 
 
 def test_groups_in_grid_order():
@@ -45,7 +43,7 @@ def test_window_profile_is_the_median_of_every_calibration(tmp_path):
 
 
 def test_held_out_draw_is_deterministic_for_a_seed():
-    import time_grid_heldout as ho
+    from bench import time_grid_heldout as ho
 
     assert ho.draw(8, seed=0) == ho.draw(8, seed=0)
     assert ho.draw(8, seed=0) != ho.draw(8, seed=1)
@@ -56,7 +54,7 @@ def test_held_out_draw_is_deterministic_for_a_seed():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_held_out_never_yields_a_development_configuration(seed):
-    import time_grid_heldout as ho
+    from bench import time_grid_heldout as ho
 
     shapes, cells = ho.draw(8, seed=seed)
     dev_shapes = {ho._shape_key(s) for s in tg.SHAPES.values()}
@@ -81,7 +79,7 @@ def test_held_out_never_yields_a_development_configuration(seed):
 
 
 def test_held_out_configurations_make_runs():
-    import time_grid_heldout as ho
+    from bench import time_grid_heldout as ho
 
     shapes, cells = ho.draw(8, seed=0)
     models = {name: Path("/nonexistent") / name for name in shapes}

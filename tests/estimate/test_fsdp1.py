@@ -208,7 +208,7 @@ def test_fsdp1_never_fits_where_fsdp2_does_not_by_the_version_alone():
 
 
 def test_fsdp1_phases_by_hand():
-    """The tiny Llama in fp32 on 2 CPU ranks (bench/distributed_memory.py --peak). Without checkpointing the
+    """The tiny Llama in fp32 on 2 CPU ranks (bench/studies/distributed_memory.py --peak). Without checkpointing the
     peak is the loss's backward: FSDP1 holds its root (embedding + norm + head, 1,024,256 x 4 B) where FSDP2
     holds its tail (512,256 x 4 B), and the last decoder layer the root's pre-backward hook prefetched
     (692,736 x 4 B; LoRA: the frozen layer alone, its adapters are units of their own). Measured: 138.41 -

@@ -1,7 +1,7 @@
 """FSDP with gradient accumulation under ``no_sync`` (``fsdp_sync_each_batch=false``) keeps every unit's whole
 gradient between micro-batches (memfit/estimate/peak.py): accelerate's ``no_sync`` (FSDP1
 ``FullyShardedDataParallel.no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) and Lightning Fabric's
-``no_backward_sync``. Hand-computed; measured on 2 gloo processes by bench/fsdp_accum_memory.py
+``no_backward_sync``. Hand-computed; measured on 2 gloo processes by bench/studies/fsdp_accum_memory.py
 (FSDP1 / FSDP2 full -1.9 / -0.1 %, LoRA -2.5 / -0.2 %)."""
 
 import pytest

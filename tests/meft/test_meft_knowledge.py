@@ -1,4 +1,4 @@
-"""bench/meft_knowledge.py in miniature: the facts are deterministic and split by entity into validation and
+"""bench/studies/meft_knowledge.py in miniature: the facts are deterministic and split by entity into validation and
 test, recall is exact match, the shipped base loads from safetensors, the rate is picked on validation recall,
 a run through memfit's training path stores facts the untrained model does not know, MEFT's device bytes
 match the estimator, and (the CI smoke run) MEFT learns from the shipped base."""
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+from bench.studies import meft_knowledge_data as D
 
-import meft_knowledge_data as D  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = D.TaskSize(old_entities=20, new_entities=6, copy_train=8, copy_eval=8)
 
@@ -86,7 +85,7 @@ def test_a_run_stores_facts_and_meft_bytes_match_the_estimator(tmp_path):
     state (default buffer, and ``meft.buffer_size`` = all rows) match memfit's estimator within 5 % and its
     counters report bytes moved."""
     pytest.importorskip("transformers")
-    import meft_knowledge as B
+    from bench.studies import meft_knowledge as B
 
     task = D.make_task(D.TaskSize(old_entities=4, new_entities=6, copy_train=4, copy_eval=4), seed=0)
     (tmp_path / "task.json").write_text(json.dumps(task))
@@ -125,7 +124,7 @@ def test_shipped_base_is_safetensors_and_what_made_json_says():
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    import meft_knowledge_base as MB
+    from bench.studies import meft_knowledge_base as MB
 
     made = json.loads((MB.ASSET / "made.json").read_text())
     for name, digest in made["sha256"].items():
@@ -142,7 +141,7 @@ def test_shipped_base_is_safetensors_and_what_made_json_says():
 
 
 def test_the_rate_is_picked_on_validation_recall():
-    import meft_knowledge as B
+    from bench.studies import meft_knowledge as B
 
     def job(lr, val, test, nll=1.0):
         return B.Job("k", "m", lr, 0, {}, "", 1, result={"recall_val": val, "recall": test, "val_nll": nll,
@@ -154,7 +153,7 @@ def test_the_rate_is_picked_on_validation_recall():
 
 
 def test_quick_check_fails_when_meft_stops_learning():
-    import meft_knowledge as B
+    from bench.studies import meft_knowledge as B
 
     rows = lambda recall: [{"method": "meft-k12", "recall": recall}]  # noqa: E731
     assert B.quick_check(rows(0.40), step0=0.01)[0]
@@ -165,20 +164,20 @@ def test_quick_check_fails_when_meft_stops_learning():
 
 @pytest.mark.slow
 def test_quick_bench_meft_learns(tmp_path):
-    """bench/meft_knowledge.py --quick (the CI smoke run, ~20 s on 2 cores): from the shipped base, MEFT top-k 12
-    stores the 128 facts (300 steps, seed 0); the bench exits non-zero unless its test-entity recall is at
+    """bench/studies/meft_knowledge.py --quick (the CI smoke run, ~20 s on 2 cores): from the shipped base, MEFT top-k
+    12 stores the 128 facts (300 steps, seed 0); the bench exits non-zero unless its test-entity recall is at
     least 20 points above the base's step-0 recall of the same facts."""
     import os
     import subprocess
 
     pytest.importorskip("transformers")
-    import meft_knowledge as B
+    from bench.studies import meft_knowledge as B
 
     out = tmp_path / "quick.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH / "meft_knowledge.py"), "--quick", "--jobs", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.studies.meft_knowledge", "--quick", "--jobs", "1",
                            "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     meft, step0 = doc["rows"][0], doc["pretrain"]["recall"]
@@ -187,8 +186,8 @@ def test_quick_bench_meft_learns(tmp_path):
 
 
 def test_shape_check_reads_the_papers_claims_from_the_rows():
-    """bench/meft_knowledge.py prints the issue's checklist as PASS/FAIL lines; each line can fail."""
-    from meft_knowledge_report import shape_check
+    """bench/studies/meft_knowledge.py prints the issue's checklist as PASS/FAIL lines; each line can fail."""
+    from bench.studies.meft_knowledge_report import shape_check
 
     def row(method, recall, pm=0.02, control=1.0, dev=1.0, pred=None):
         return {"method": method, "recall": recall, "recall_pm": pm, "control": control,

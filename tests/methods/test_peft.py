@@ -190,10 +190,7 @@ def test_the_named_methods_plan_without_torch_and_peft_counts_once(tmp_path):
 
 
 def _bench():
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import gpu_published
+    from bench import gpu_published
 
     return gpu_published
 

@@ -1,4 +1,4 @@
-"""The HF Trainer's own loop in the time model (bench/trainer_overhead.py measures its constants)."""
+"""The HF Trainer's own loop in the time model (bench/studies/trainer_overhead.py measures its constants)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""RSS tracer for bench/rss_breakdown.py: loaded by Python at start-up when this folder is on PYTHONPATH and
+"""RSS tracer for bench/studies/rss_breakdown.py: loaded by Python at start-up when this folder is on PYTHONPATH and
 MEMFIT_RSS_TRACE names an output file; inert otherwise.
 
 A daemon thread reads /proc/self/statm every 2 ms; at every new high of the resident size it records the
