@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from memfit.errors import ConfigError
+from memfit.methods.lora.config import SECTION as LORA_SECTION
+from memfit.methods.meft.config import SECTION as MEFT_SECTION
 from memfit.spec.strategy import Strategy
 
 DataFormat = Literal["auto", "prompt_completion", "dialogue_summary", "chat", "text"]
@@ -87,13 +89,7 @@ class RunSpec(BaseModel):
         return v
 
 
-_SECTION_ALIASES = {
-    "lora": {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "lora_targets",
-             "rslora": "lora_rslora", "modules_to_save": "lora_modules_to_save", "rank_pattern": "lora_rank_pattern",
-             "alpha_pattern": "lora_alpha_pattern"},
-    "meft": {"neurons": "meft_neurons", "top_k": "meft_top_k", "experts": "meft_experts", "n_probe": "meft_n_probe",
-             "buffer_size": "meft_buffer_size"},
-}
+_SECTION_ALIASES = dict((LORA_SECTION, MEFT_SECTION))  # each method's run-file section, from its folder
 _TOP_LEVEL_SHORTCUTS = {"max_steps": "training.max_steps", "seed": "training.seed",
                         "learning_rate": "training.learning_rate", "method": "strategy.method"}
 

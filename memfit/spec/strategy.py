@@ -6,19 +6,21 @@ The keys are the contract of ``memfit estimate --json``'s ``strategy`` object an
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memfit.methods import METHODS as _METHODS
-from memfit.methods.peft.config import canonical as _peft_canonical
+from memfit.methods.lora.config import DEFAULT_LORA_TARGETS, LoraSettings
+from memfit.methods.meft.config import MeftSettings
+from memfit.methods.peft.config import PeftSettings
+from memfit.methods.qlora.config import QLoraSettings, QuantStorage
 Attention = Literal["eager", "sdpa", "fa2"]
 Fsdp = Union[Literal[False], Literal["full_shard", "shard_grad_op"]]
 FsdpVersion = Literal[1, 2]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
-QuantStorage = Literal["uint8", "bf16", "fp16", "fp32"]
 Loss = Literal["standard", "chunked"]
 
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
@@ -38,15 +40,11 @@ def loss_chunk_tokens(vocab: int, tokens: int) -> int:
     """Tokens per chunk of the chunked loss for ``tokens`` (= micro-batch x seq_len) flattened tokens."""
     return max(1, min(int(tokens), LOSS_CHUNK_TOKENS))
 
-DEFAULT_LORA_TARGETS: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
+__all__ = ["DEFAULT_LORA_TARGETS", "QuantStorage", "Strategy"]
 
 
-class Strategy(BaseModel):
-    """Every lever memfit can pull, with defaults a PEFT/TRL user would expect."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Levers(BaseModel):
+    """The levers every method shares (the engine, checkpointing, attention, precision, the batch's shape)."""
 
     method: str = Field("lora", description="a method of the registry memfit.methods.METHODS")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage; 0 = plain DDP")
@@ -78,29 +76,14 @@ class Strategy(BaseModel):
     seq_len: int = Field(512, ge=1)
     loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
                        "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
-    # LoRA / QLoRA adapter
-    lora_r: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-    lora_rslora: bool = Field(False, description="rank-stabilised LoRA: scale by alpha/sqrt(r) (PEFT use_rslora)")
-    lora_modules_to_save: tuple[str, ...] = Field((), description="modules trained whole beside the adapters "
-                                                  "(PEFT modules_to_save), e.g. embed_tokens, lm_head")
-    lora_rank_pattern: tuple[tuple[str, int], ...] = Field((), description="per-module ranks (PEFT rank_pattern)")
-    lora_alpha_pattern: tuple[tuple[str, int], ...] = Field((), description="per-module alphas (PEFT alpha_pattern)")
-    # QLoRA base-model quantisation (NF4)
-    quant_storage: QuantStorage = "uint8"
-    double_quant: bool = True
-    # MEFT sparse adapter (see memfit.meft)
-    meft_neurons: int = Field(8192, ge=1)
-    meft_top_k: int = Field(64, ge=1)
-    meft_experts: Union[int, Literal["auto"]] = "auto"
-    meft_n_probe: int = Field(8, ge=1)
-    meft_buffer_size: Optional[int] = Field(None, ge=1, description="device rows per layer for the batch's "
-                                            "union of active neurons; None = max(top_k, neurons/4)")
-    # method=peft: the PEFT config (adapter_config.json's keys) as canonical JSON text; the run file's
-    # ``peft_config:`` block (a mapping, or the path of an adapter_config.json) folds into it
-    peft_config: Optional[str] = None
+
+
+class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
+    """Every lever memfit can pull, with defaults a PEFT/TRL user would expect: the shared levers, then each
+    method's own settings, which live in its folder (memfit/methods/<name>/config.py). The keys stay flat, in
+    this order: the contract of ``estimate --json``'s strategy and the run file's ``strategy`` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     @field_validator("method")
     @classmethod
@@ -109,32 +92,6 @@ class Strategy(BaseModel):
             names = [repr(m) for m in _METHODS]
             raise ValueError(", ".join(names[:-1]) + " or " + names[-1])
         return value
-
-    @field_validator("lora_targets", "lora_modules_to_save", mode="before")
-    @classmethod
-    def _one_name(cls, value):
-        return (value,) if isinstance(value, str) else value  # lora.targets: all-linear
-
-    @field_validator("lora_rank_pattern", "lora_alpha_pattern", mode="before")
-    @classmethod
-    def _pattern_pairs(cls, value):
-        # a mapping {module name or regex: value} as PEFT takes it; kept as sorted pairs (hashable)
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"{k}: {v!r} is not a positive integer; give {{module name: rank}}, "
-                                     "e.g. {q_proj: 32}")
-            return tuple(sorted((str(k), int(v)) for k, v in value.items()))
-        return value
-
-    @field_serializer("lora_rank_pattern", "lora_alpha_pattern")
-    def _pattern_mapping(self, value):
-        return dict(value)  # written as PEFT writes it: {module: value}
-
-    @field_validator("peft_config", mode="before")
-    @classmethod
-    def _peft_config_text(cls, value):
-        return None if value is None else _peft_canonical(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -168,11 +125,6 @@ class Strategy(BaseModel):
                 f"offload={self.offload!r} is done by DeepSpeed ZeRO or FSDP: set zero_stage>=1 "
                 "or fsdp, or use offload='none'"
             )
-        if self.meft_experts != "auto" and self.meft_experts < 1:
-            raise ValueError("meft_experts must be 'auto' or a positive integer")
-        if self.meft_buffer_size is not None and self.meft_buffer_size < self.meft_top_k:
-            raise ValueError(f"meft_buffer_size={self.meft_buffer_size} is below meft_top_k={self.meft_top_k}: "
-                             "the buffer must hold at least one token's neurons; raise it or leave it unset")
         if (self.method == "peft") != (self.peft_config is not None):
             raise ValueError("method=peft reads a peft_config (a mapping of PEFT config keys, or the path of an "
                              "adapter_config.json) and no other method does: set both or neither")

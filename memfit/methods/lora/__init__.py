@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.methods.lora.config import LoraSettings
 from memfit.methods.base import (ALL_LINEAR, NO_ADAPTER, AdapterMemory, Method, Parameters, enable_checkpointing,
                                  matched_linears, peft_target_modules)
 
@@ -74,7 +75,7 @@ def modules_to_save_parameters(model: Any, names: tuple) -> tuple[int, bool]:
 class Lora(Method):
     name = family = "lora"
     fsdp_adapter_units = True  # lora_A / lora_B as FSDP1 units (QLoRA and DoRA inherit it)
-    fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+    fields = tuple(LoraSettings.model_fields)  # memfit/methods/lora/config.py
     traced = True
     use_dora = False
     fp32_adapters = True

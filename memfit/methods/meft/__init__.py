@@ -7,6 +7,7 @@ from typing import Any
 
 from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
 from memfit.methods.meft.memory import meft_experts, meft_memory, meft_traffic_bytes
+from memfit.methods.meft.config import MeftSettings
 
 # MEFT keeps fp32 keys/values, their gradients and Adam's two moments in CPU memory.
 MEFT_CPU_BYTES_PER_PARAM = 16
@@ -15,7 +16,7 @@ MEFT_CPU_BYTES_PER_PARAM = 16
 class Meft(Method):
     name = family = "meft"
     output = "meft"
-    fields = ("meft_neurons", "meft_top_k", "meft_experts", "meft_n_probe", "meft_buffer_size")
+    fields = tuple(MeftSettings.model_fields)  # memfit/methods/meft/config.py
 
     # ---------------------------------------------------------------- the estimator's terms
     def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:

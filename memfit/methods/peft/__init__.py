@@ -20,6 +20,7 @@ from memfit.methods.base import AdapterMemory, LayerWork, Method, Parameters, en
 from memfit.methods.peft.count import counted, peft_config_object
 from memfit.methods.peft.saved import adaption_prompt_bytes, saved_bytes
 from memfit.methods.peft.work import layer_work
+from memfit.methods.peft.config import PeftSettings
 
 
 def adapter_count(model: Any, strategy: Any) -> dict:
@@ -33,7 +34,7 @@ def adapter_count(model: Any, strategy: Any) -> dict:
 class Peft(Method):
     name = "peft"
     family = "lora"          # a frozen 16-bit base with fp32 adapters: LoRA's memory model, without its adapters
-    fields = ("peft_config",)
+    fields = tuple(PeftSettings.model_fields)  # memfit/methods/peft/config.py
     planned = False          # searched when asked for (--methods peft with a peft_config)
     fp32_adapters = True
 

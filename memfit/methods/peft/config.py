@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from pydantic import BaseModel, field_validator
 
 # PEFT's own PeftType values at the pinned peft 0.21.2 (peft/utils/peft_types.py); BONE was renamed MISS
 PEFT_TYPES = ("ADALORA", "ADAMSS", "ADAPTION_PROMPT", "BEFT", "BOFT", "C3A", "CARTRIDGE", "CPT", "DEFT", "DELORA",
@@ -66,3 +68,15 @@ def canonical(value: Any) -> str:
 
 def loads(text: str) -> dict:
     return json.loads(text)
+
+
+class PeftSettings(BaseModel):
+    """method=peft: the PEFT config (adapter_config.json's keys) as canonical JSON text; the run file's
+    ``peft_config:`` block (a mapping, or the path of an adapter_config.json) folds into it."""
+
+    peft_config: Optional[str] = None
+
+    @field_validator("peft_config", mode="before")
+    @classmethod
+    def _peft_config_text(cls, value):
+        return None if value is None else canonical(value)

@@ -8,6 +8,7 @@ from typing import Any
 from memfit.errors import IncompatibleError
 from memfit.methods.base import GC_KWARGS, enable_checkpointing
 from memfit.methods.lora import Lora
+from memfit.methods.qlora.config import QLoraSettings
 
 # The dtype FSDP / ZeRO-3 flatten parameters to, per precision: QLoRA's quant storage must equal it.
 PARAM_DTYPE = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
@@ -16,7 +17,7 @@ STORAGE_BYTES = {"uint8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}  # bnb_4bi
 
 class QLora(Lora):
     name = family = "qlora"
-    fields = (*Lora.fields, "quant_storage", "double_quant")
+    fields = (*Lora.fields, *QLoraSettings.model_fields)  # memfit/methods/qlora/config.py
     traced = False  # bitsandbytes kernels have no FakeTensor support
     quantized = True
 
