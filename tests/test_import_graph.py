@@ -5,8 +5,9 @@ import each other (directly or round a longer cycle).
 Layers, lowest first; a module may import its own layer and the ones below it:
 
     errors, io                      shared leaves
-    methods, meft                   the method registry (plain Python; its build steps import torch and
-                                    memfit.meft inside functions) and the MEFT adapter package
+    methods, meft, engines          the method registry (plain Python; its build steps import torch and
+                                    memfit.meft inside functions), the MEFT adapter package and the
+                                    engines' cost records (plain Python)
     spec                            RunSpec, Strategy (validated against the method registry), ModelSpec...
     estimate                        the estimator
     resolve                         resolve(run) -> Resolved(model, hardware, strategy, world)
@@ -28,7 +29,7 @@ import memfit
 ROOT = Path(memfit.__file__).resolve().parent
 LAYERS = {
     "errors": 0, "io": 0,
-    "methods": 1, "meft": 1,
+    "methods": 1, "meft": 1, "engines": 1,
     "spec": 2,
     "steptime": 2.5,
     "estimate": 3,

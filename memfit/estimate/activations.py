@@ -39,18 +39,21 @@ _CACHE: dict = {}
 _PER_TOKEN: dict = {}
 
 
-def savers(model: ModelSpec, method: str, adapted: frozenset, shares: bool) -> tuple[int, int, int, int, int]:
-    """Linears per role that save their input: (attn_in, attn_out, mlp_in, mlp_out, head)."""
-    key = (id(model), method, adapted, shares)
+def savers(model: ModelSpec, trained: bool, adapted: frozenset, shares: bool) -> tuple[int, int, int, int, int]:
+    """Linears per role that save their input: (attn_in, attn_out, mlp_in, mlp_out, head). ``trained``: the base
+    weights are trained (full fine-tuning); ``adapted``: the linears carrying a LoRA-style adapter, whose first
+    product reads the linear's input (empty for every other method); ``shares``: that read is the same tensor
+    (no dropout, no dtype cast)."""
+    key = (id(model), trained, adapted, shares)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is model:
         return hit[1]
     counts = {"attn_in": 0, "attn_out": 0, "mlp_in": 0, "mlp_out": 0}
     for lin in model.linears:
         role = ROLES.get(lin.name, "mlp_in")
-        if method == "full" or (method in ("lora", "qlora") and shares and lin.name in adapted):
+        if trained or (shares and lin.name in adapted):
             counts[role] += 1
-    out = (counts["attn_in"], counts["attn_out"], counts["mlp_in"], counts["mlp_out"], int(method == "full"))
+    out = (counts["attn_in"], counts["attn_out"], counts["mlp_in"], counts["mlp_out"], int(trained))
     _CACHE[key] = (model, out)
     return out
 
@@ -143,7 +146,7 @@ def korthikanti_layer_bytes(model: ModelSpec, s: int, b: int, attention: str) ->
 
 
 def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str, checkpointing: bool,
-                     profile: Profile, method: str = "full", adapted: frozenset = frozenset(),
+                     profile: Profile, trained: bool = True, adapted: frozenset = frozenset(),
                      shares: bool = True, autocast: bool = False,
                      adapter_grad: float = 0.0, adapter_mlp_side: float = 0.0,
                      fp32_stream: bool = False) -> tuple[float, float, float, float]:
@@ -167,8 +170,7 @@ def activation_parts(model: ModelSpec, s: int, b: int, e: float, attention: str,
         return (model.layers * e * b * s * model.hidden * scale if checkpointing else 0.0,
                 (profile.checkpoint_extra_layers if checkpointing else model.layers)
                 * korthikanti_layer_bytes(model, s, b, attention) * scale, 0.0, 0.0)
-    sv = savers(model, method, adapted, shares)
-    trained = method == "full"
+    sv = savers(model, trained, adapted, shares)
     key = (id(model), e, r, attention, sv, autocast, trained, e_mlp)
     hit = _PER_TOKEN.get(key)
     if hit is None or hit[0] is not model:  # cached: the planner asks for the same layer thousands of times

@@ -85,7 +85,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                  "step_temporaries": step_temp, "peak_concurrency": static + peak.phase - lines_sum,
                  "overhead": overhead, "total": formula + overhead}
     gpu_loading = 0.0 if gpu.is_cpu else CU.qlora_loading_peak(
-        model, method.quantized, run.engine == "zero3" or run.fsdp, params.quant_state, run.numbers, run.value_b,
+        model, method.quantized, run.engine.stores_sharded, params.quant_state, run.numbers, run.value_b,
         profile)
 
     # ---- CPU RAM per node -------------------------------------------------------------------------
@@ -93,8 +93,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
     timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
-        engine=run.engine, p_t=params.trainable, adapted=params.adapted,
-        gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,
+        engine=run.engine.kind, p_t=params.trainable, adapted=params.adapted,
+        gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
         g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
         meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
         fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp), prompt_tokens=method.prompt_tokens(model, strategy),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from memfit.spec.model import ModelSpec
 
 
-def fsdp_units(model: ModelSpec, method: str, frozen_bytes: float, p_t: float, compute_b: float,
+def fsdp_units(model: ModelSpec, trains_base: bool, frozen_bytes: float, p_t: float, compute_b: float,
                half: float) -> tuple[float, float, float]:
     """(bytes of one gathered decoder layer, bytes of the gathered tail unit, trainable parameters of
     one layer) at the dtype each unit really holds.
@@ -26,7 +26,7 @@ def fsdp_units(model: ModelSpec, method: str, frozen_bytes: float, p_t: float, c
     L = model.layers
     norm = model.hidden * (2 if model.norm == "layernorm" else 1)
     tail_p = (model.head_parameters or model.embedding_parameters) + norm
-    if method == "full":
+    if trains_base:
         layer_t = float(model.layer_parameters)
         return layer_t * compute_b, tail_p * compute_b, layer_t
     layer_t = p_t / L

@@ -18,7 +18,7 @@ def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, 
     total = run.total_params
     if gpu.is_cpu:
         loading = 0.0  # the model is loaded into the same RAM it trains in ("gpu" lines)
-    elif run.engine == "zero3" and not run.fsdp or (run.method.quantized and not run.fsdp):
+    elif run.engine.partitioned_loading or (run.method.quantized and not run.fsdp):
         loading = procs * p.checkpoint_shard_bytes  # zero.Init / device_map: one shard at a time
     elif run.fsdp and run.method.quantized:
         # FSDP + QLoRA, RAM-efficient: rank 0 quantises each tensor as it is read and keeps the quantised

@@ -17,9 +17,11 @@ from memfit.spec.strategy import loss_chunk_tokens
 _OPT_STATES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
 
 
-def state_bytes(precision: str, optimizer: str, family: str = "deepspeed",
-                zero_stage: int = 0) -> tuple[float, float, float, float]:
-    """(weight, gradient, optimizer, compute copy) bytes per *trainable* parameter for an engine family.
+def state_bytes(precision: str, optimizer: str, master_partition: bool = True,
+                fp32_params_are_master: bool = False) -> tuple[float, float, float, float]:
+    """(weight, gradient, optimizer, compute copy) bytes per *trainable* parameter for an engine family
+    (``master_partition``: DeepSpeed's flat fp32 master; ``fp32_params_are_master``: ZeRO-3's, as memfit.engines
+    records them).
 
     - ``deepspeed`` (ZeRO 1–3; the ZeRO paper's convention): 16-bit params and grads, the optimizer
       holds the fp32 master + states: mixed Adam 2 + 2 + 12. DeepSpeed's bf16 mode keeps an fp32
@@ -34,9 +36,9 @@ def state_bytes(precision: str, optimizer: str, family: str = "deepspeed",
       compute copy exists only while gathered (gathered_params / shard_grad_op's unsharded copy).
     """
     states = _OPT_STATES[optimizer]
-    if family == "deepspeed":  # a separate flat fp32 master partition (in fp32 too, except ZeRO-3)
+    if master_partition:  # a separate flat fp32 master partition (in fp32 too, except ZeRO-3)
         if precision == "fp32":
-            return 4.0, 4.0, states + (0.0 if zero_stage == 3 else 4.0), 0.0
+            return 4.0, 4.0, states + (0.0 if fp32_params_are_master else 4.0), 0.0
         return 2.0, 2.0, 4.0 + states, 0.0
     if precision == "fp32":
         return 4.0, 4.0, states, 0.0

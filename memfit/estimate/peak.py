@@ -60,9 +60,9 @@ def step_temporaries(run: Setup, params: Parameters, engine_step_temp: float) ->
     step_temp = engine_step_temp
     if run.gpu.is_cpu:
         step_temp += local_opt * p.optimizer_step_temp_bytes
-    elif run.strategy.optimizer == "adamw" and run.family != "deepspeed":  # DeepSpeed: its own fused Adam
+    elif run.strategy.optimizer == "adamw" and not run.engine.fused_adam:  # DeepSpeed: its own fused Adam
         step_temp += local_opt * p.adamw_foreach_temp_copies * run.optim_b / 2.0  # one state-sized sqrt(v)
-    if run.family == "deepspeed" and run.precision != "fp32" and not run.offload_optimizer:
+    if run.engine.fp32_grad_copy and run.precision != "fp32" and not run.offload_optimizer:
         step_temp += local_opt * p.zero_fp32_grad_bytes
     return step_temp
 
@@ -76,7 +76,7 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     adapter_acts = saved.adapter.intermediates + saved.adapter.buffers_saved
     # with accumulation, earlier micro-batches' gradients stay live; DeepSpeed ZeRO-3 allocates its flat
     # gradient-partition buffer once (stage3.py: grad_partitions_flat_buffer), live in every phase
-    g_keep = grads if st.grad_accum > 1 or (run.engine == "zero3" and not run.fsdp) else 0.0
+    g_keep = grads if st.grad_accum > 1 or run.engine.flat_grad_buffer else 0.0
     g_free = grads - g_keep
     accum = unsharded_grads(run, params, bufs)  # FSDP's no_sync: whole gradients until the last micro-batch
     g_keep = max(g_keep, accum)

@@ -31,11 +31,11 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     # fp32 adapters on a 16-bit base: PEFT casts lora_A's input to fp32; lora_A saves that copy in pure
     # bf16, or autocast's 16-bit copy of it under mixed precision (traced). In fp32, and where the engine
     # holds the adapters in 16-bit (DeepSpeed, FSDP), lora_A reads the base linear's input.
-    cast_copy = (4.0 if run.precision == "bf16" else 2.0) if run.fp32_adapters and run.family == "ddp" else 0.0
+    cast_copy = (4.0 if run.precision == "bf16" else 2.0) if run.fp32_adapters and run.engine.autocast else 0.0
     # torch autocast on fp32 weights (full fine-tuning under plain DDP, as the HF Trainer runs it): fp32
     # residual stream, every linear casts its input to 16-bit itself. Adapter methods load the base in
     # 16-bit and DeepSpeed / FSDP's MixedPrecision hold 16-bit parameters: 16-bit activations.
-    autocast = run.precision.endswith("-mixed") and run.family == "ddp" and run.method.trains_base
+    autocast = run.precision.endswith("-mixed") and run.engine.autocast and run.method.trains_base
     # dropout runs after PEFT's fp32 cast; on CPU its mask is a noise tensor of that dtype, CUDA's fused
     # kernel keeps 1 byte
     mask_b = (4.0 if cast_copy else e) if run.gpu.is_cpu else 1.0
@@ -47,7 +47,7 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     after_attn = sum((dropout_copy_b * in_features + rank_b * st.lora_r) * count * active
                      for in_features, count, active in after_attn_linears)
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
-        model, s, b, e, attention, gc, p, method=run.method.family, adapted=adapted,
+        model, s, b, e, attention, gc, p, trained=run.method.trains_base, adapted=adapted,
         shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
         adapter_mlp_side=after_attn, fp32_stream=fp32_stream)
     # at the end of the forward the model still holds the final norm's output, and its KV cache (use_cache:
@@ -61,7 +61,7 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
     # loss=chunked: the fused path (gradients made in the forward) except under DeepSpeed ZeRO-3, whose
     # partitioned head weight only the module call gathers (the recomputing path)
-    fused = st.loss == "chunked" and not (run.engine == "zero3" and not run.fsdp)
+    fused = st.loss == "chunked" and not run.engine.loss_recomputes_head
     logits = M.logits_bytes(model, s, b, run.precision, p, st.loss, fused)
     head_grad = 0.0
     if st.loss == "chunked":  # + the hidden-state gradients the loss makes in the forward, held for backward
@@ -71,7 +71,7 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
         # instead and makes it in backward). In the weight's dtype: fp32 under DDP's autocast, FSDP's
         # unsharded compute dtype, ZeRO-1/2's 16-bit module weights
         if run.method.trains_base and fused:
-            grad_b = run.grad_b if run.family == "ddp" else min(run.grad_b, e)
+            grad_b = run.grad_b if run.engine.autocast else min(run.grad_b, e)
             head_grad = float(model.head_parameters or model.embedding_parameters) * grad_b
             logits += head_grad
     adapter = run.method.adapter_memory(model, st, p, run.numbers, params, compute_bytes=e, cast_bytes=cast_copy,

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from memfit.engines import ENGINE_COSTS
 from memfit.errors import ConfigError
 from memfit.estimate import memory as M
 from memfit.estimate.constants import DEFAULT_PROFILE, Profile
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
 from memfit.spec.strategy import Strategy
-
-# the engines' memory behaviour: what is sharded (zero3 = every state sharded; sgo = FSDP SHARD_GRAD_OP)
-ENGINE_KIND = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-               "fsdp-full_shard": "zero3", "fsdp-shard_grad_op": "sgo",
-               "fsdp1-full_shard": "zero3", "fsdp1-shard_grad_op": "sgo"}
 
 
 def profile_for(profile: Optional[Profile], model: ModelSpec, strategy: Strategy, activation_formula: Optional[str],
@@ -33,11 +29,12 @@ def profile_for(profile: Optional[Profile], model: ModelSpec, strategy: Strategy
 
 
 class Setup:
-    """One call's facts. Bytes per *trainable* parameter: ``weight_b``, ``grad_b``, ``optim_b`` and
-    ``copy_b`` (autocast's 16-bit copy); ``value_b``: bytes of a value in the compute dtype."""
+    """One call's facts. ``engine``: the engine's costs (memfit.engines). Bytes per *trainable* parameter:
+    ``weight_b``, ``grad_b``, ``optim_b`` and ``copy_b`` (autocast's 16-bit copy); ``value_b``: bytes of a
+    value in the compute dtype."""
 
     __slots__ = ("model", "hardware", "strategy", "profile", "method", "numbers", "gpu", "world", "engine",
-                 "family", "fsdp", "fsdp_version", "precision", "weight_b", "grad_b", "optim_b", "copy_b",
+                 "fsdp", "fsdp_version", "precision", "weight_b", "grad_b", "optim_b", "copy_b",
                  "fp32_adapters", "value_b", "total_params", "gc", "offload_optimizer", "offload_params",
                  "shard_weights", "shard_grads", "shard_optim")
 
@@ -46,25 +43,25 @@ class Setup:
         self.model, self.hardware, self.strategy, self.profile, self.method = model, hardware, strategy, profile, method
         self.numbers = M.numbers(model)
         self.gpu, self.world = hardware.gpu, hardware.world_size
-        self.engine = engine = ENGINE_KIND[strategy.engine]
+        self.engine = engine = ENGINE_COSTS[strategy.engine]
         self.fsdp = bool(strategy.fsdp)
-        self.fsdp_version = strategy.fsdp_version if strategy.fsdp else 0  # 1: FSDP1 (memfit.estimate.fsdp1)
-        self.family = family = "fsdp" if strategy.fsdp else ("deepspeed" if strategy.zero_stage else "ddp")
+        self.fsdp_version = engine.fsdp_version  # 1: FSDP1 (memfit.estimate.fsdp1)
         self.precision = precision = strategy.precision
-        w_b, g_b, o_b, self.copy_b = M.state_bytes(precision, strategy.optimizer, family, strategy.zero_stage)
+        w_b, g_b, o_b, self.copy_b = M.state_bytes(precision, strategy.optimizer, engine.master_partition,
+                                                   engine.fp32_params_are_master)
         # PEFT keeps LoRA adapters in fp32 unless DeepSpeed casts the whole module to 16-bit
-        self.fp32_adapters = method.fp32_adapters and family != "deepspeed" and precision != "fp32"
+        self.fp32_adapters = method.fp32_adapters and not engine.casts_module and precision != "fp32"
         if self.fp32_adapters:
-            w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", strategy.optimizer, "ddp")[2]
+            w_b, g_b, o_b = 4.0, 4.0, M.state_bytes("fp32", strategy.optimizer, False)[2]
         self.weight_b, self.grad_b, self.optim_b = w_b, g_b, o_b
         self.value_b = 4.0 if precision == "fp32" else 2.0
         self.total_params = float(model.parameters)
         self.gc = strategy.gradient_checkpointing
         self.offload_optimizer = strategy.offload != "none"
         self.offload_params = strategy.offload == "optimizer+params"
-        self.shard_weights = engine == "zero3"
-        self.shard_grads = engine in ("zero2", "zero3", "sgo")
-        self.shard_optim = engine != "ddp"
+        self.shard_weights = engine.shards_parameters
+        self.shard_grads = engine.shards_gradients
+        self.shard_optim = engine.shards_optimizer
 
     def optimizer_dtypes(self) -> dict:
         """What the optimizer phase sweeps per trainable value, for the time model: ``grad_b``, bytes per
@@ -75,7 +72,7 @@ class Setup:
         ``Optimizer8bit.update_step`` -> ``F.optimizer_update_8bit_blockwise``): the parameter read and
         written, the gradient read, each 1-byte moment read and written. DeepSpeed steps its fp32 master
         partition."""
-        if self.family == "deepspeed":
+        if self.engine.master_partition:
             return {"grad_b": 4.0, "adam_scale": 1.0}
         if self.strategy.optimizer == "adamw8bit":
             return {"grad_b": self.grad_b, "adam_scale": (2.0 * self.weight_b + self.grad_b + 4.0) / 80.0}

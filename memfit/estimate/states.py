@@ -44,15 +44,15 @@ def model_states(run: Setup, params: Parameters) -> States:
     n, trainable, quant_state = run.world, params.trainable, params.quant_state
     weights_all = params.frozen_bytes + trainable * run.weight_b
     compute_all = params.frozen_bytes + trainable * (run.copy_b or run.weight_b)
-    sharded_all = run.shard_weights or run.family == "fsdp"
+    sharded_all = run.engine.stores_sharded
     weights = (weights_all - quant_state) / n + quant_state if sharded_all else weights_all
-    if run.fsdp_version == 1 and run.engine == "zero3" and n > 1:  # FlatParameter padding (memfit.estimate.fsdp1)
+    if run.fsdp_version == 1 and run.engine.shards_parameters and n > 1:  # FlatParameter padding (estimate.fsdp1)
         weights += F1.padding_bytes(run.model, n, int(run.weight_b if run.method.trains_base else run.value_b))
     autocast_copy = 0.0
-    if run.family == "ddp":  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
+    if run.engine.autocast:  # autocast's 16-bit weight copies: cached through forward and the loss, saved for
         autocast_copy = trainable * run.copy_b  # backward; gone once backward has used them
         weights += autocast_copy
-    elif run.engine == "sgo":
+    elif run.engine.keeps_unsharded_params:
         weights += compute_all  # SHARD_GRAD_OP keeps the unsharded params from forward to backward
     grads = trainable * run.grad_b / (n if run.shard_grads else 1)
     optim = trainable * run.optim_b / (n if run.shard_optim else 1)
@@ -64,7 +64,7 @@ def model_states(run: Setup, params: Parameters) -> States:
     if run.offload_params:  # the quantisation state stays on the GPU (a buffer, not a flat parameter)
         cpu_params = (weights_all - quant_state) / n
         weights = quant_state
-        if run.family == "fsdp" and not run.gpu.is_cpu:  # pinned blocks, as the allocator rounds them
+        if run.engine.pinned_offload and not run.gpu.is_cpu:  # pinned blocks, as the allocator rounds them
             root_b = F1.root_parameters(run.model) * (run.weight_b if run.method.trains_base else run.value_b)
             cpu_params, cpu_grads = P.fsdp_offload(run, max(weights_all - quant_state - root_b, 0.0), root_b,
                                                    trainable * 4.0)
@@ -77,12 +77,13 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
     h2 = float(model.hidden) ** 2
     half = run.value_b
     gathered = comm = step_temp = layer_bufs = tail_bufs = 0.0
-    g_comm = run.grad_b if run.family == "ddp" else min(run.grad_b, half)  # FSDP reduces in the compute dtype
-    if run.engine == "zero3" and run.fsdp_version == 1:
+    g_comm = run.grad_b if run.engine.autocast else min(run.grad_b, half)  # FSDP reduces in the compute dtype
+    sharded = run.engine.shards_parameters
+    if sharded and run.fsdp_version == 1:
         return _fsdp1_buffers(run, params, g_comm)
-    if run.engine == "zero3" and run.fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
-        layer_b, tail_b, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
-                                                trainable, half, half)
+    if sharded and run.fsdp:  # FSDP gathers whole wrapped decoder layers in the compute dtype
+        layer_b, tail_b, layer_t = F.fsdp_units(model, run.method.trains_base,
+                                                params.frozen_bytes - params.quant_state, trainable, half, half)
         comm = layer_t * g_comm * (1.0 + 1.0 / n)  # one layer's unsharded grads + reduce-scatter output
         gathered = p.gathered_layers * layer_b + tail_b
         if run.offload_params:  # CPUOffloadPolicy: each gathered layer's shard is first copied to the GPU
@@ -92,7 +93,7 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
         # backward (accelerate fsdp_utils.py:871-880, reshard_after_forward=False); in the step nothing is
         layer_bufs = gathered - tail_b + comm
         tail_bufs = tail_b
-    elif run.engine == "zero3":  # DeepSpeed gathers module by module (current + prefetch bucket) and does not
+    elif sharded:  # DeepSpeed gathers module by module (current + prefetch bucket) and does not
         # release what is reused within stage3_max_reuse_distance: at the forward/backward turn that much stays
         largest = run.numbers.largest_linear
         live = min(max(largest + p.zero3_prefetch_per_h2 * h2, model.embedding_parameters,
@@ -103,10 +104,10 @@ def engine_buffers(run: Setup, params: Parameters, weights_all: float) -> Buffer
         per_elem = run.method.gathered_per_element(run.strategy, p)
         total = run.total_params
         gathered = min(live * per_elem, total) * (weights_all - params.quant_state) / total
-    elif run.engine == "sgo":
+    elif run.engine.keeps_unsharded_params:
         comm = min(run.numbers.layer_params, trainable) * g_comm
         layer_bufs = comm  # a layer's unsharded gradients: only in backward
-    elif run.engine in ("zero1", "zero2"):  # the all-gather bucket is live only in the step (phase C)
+    elif run.engine.gathers_updated_params:  # the all-gather bucket is live only in the step (phase C)
         # the reduce bucket, allocated whole, doubled with overlap_comm (stage_1_and_2.py:3266-3277)
         # (memfit's DeepSpeed config turns overlap_comm on on CUDA only: memfit/distributed/config.py)
         overlap = 0.0 if run.gpu.is_cpu else p.zero_overlap_comm
@@ -126,7 +127,7 @@ def _fsdp1_buffers(run: Setup, params: Parameters, g_comm: float) -> Buffers:
     the layers' backward and, at the backward's end, the embedding's and the root's whole unsharded gradient."""
     model, p, n, trainable = run.model, run.profile, run.world, params.trainable
     half = run.value_b
-    layer_b, _, layer_t = F.fsdp_units(model, run.method.family, params.frozen_bytes - params.quant_state,
+    layer_b, _, layer_t = F.fsdp_units(model, run.method.trains_base, params.frozen_bytes - params.quant_state,
                                        trainable, half, half)
     root_b, head_g = F1.root_unit(model, half)
     layers = F1.backward_layers(run.method.fsdp_adapter_units, p.gathered_layers)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from memfit.engines import engine_cost
+
 BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
 
 
@@ -24,13 +26,13 @@ def comm_parts(engine_kind: str, p_all: float, weight_bytes_all: float, p_t: flo
     gather, counted: 6 + 5 per step as without) + reduce-scatters grads (FSDP2: _fully_shard/_fsdp_collectives.py):
     every micro-batch, but once per step for FSDP under accelerate's ``no_sync`` (``fsdp_sync_each_batch=false``:
     the micro-batches' gradients held unsharded until the last one)."""
-    if engine_kind == "ddp":
-        return {"all_reduce": 2.0 * p_t * g_b}
-    if engine_kind in ("zero1", "zero2"):
-        return {"all_reduce": (ga if engine_kind == "zero2" else 1) * 2.0 * p_t * g_b, "all_gather": p_t * w_b}
-    if engine_kind == "sgo":
+    eng = engine_cost(engine_kind, fsdp)
+    if not eng.weight_gathers:  # DDP, ZeRO-1/2: all-reduced gradients (+ ZeRO's updated partitions gathered)
+        reduced = {"all_reduce": (ga if eng.reduces_every_micro_batch else 1) * 2.0 * p_t * g_b}
+        return {**reduced, "all_gather": p_t * w_b} if eng.gathers_updated_params else reduced
+    if not eng.shards_parameters:  # SHARD_GRAD_OP
         return {"reduce_scatter": ga * p_t * g_b, "all_gather": ga * weight_bytes_all}
-    gathers = 3.0 if checkpointing and not fsdp else 2.0
+    gathers = float(eng.weight_gathers + (1 if checkpointing and eng.regathers_in_recompute else 0))
     # FSDP under accelerate's no_sync (memfit.estimate.peak) reduce-scatters once, at the last micro-batch
     reductions = 1 if fsdp and no_sync else ga
     return {"all_gather": ga * gathers * weight_bytes_all, "reduce_scatter": reductions * p_t * g_b}
@@ -46,7 +48,7 @@ def fsdp2_copy_bytes(engine_kind: str, gather_bytes: float, n: int, p_t: float, 
     unsharded gradients out by rank in the reduce dtype (read the gradients + write them). FSDP1 gathers into
     the FlatParameter the views already point at and reduce-scatters the flat gradient in place: none of it.
     Gathers per micro-batch as :func:`comm_parts` counts them (full_shard 2, shard_grad_op 1)."""
-    gathers = 2.0 if engine_kind == "zero3" else 1.0
+    gathers = float(engine_cost(engine_kind, True).weight_gathers)
     per_gather = 2.0 * gather_bytes / n + 2.0 * gather_bytes
     return ga * gathers * per_gather + (1 if no_sync else ga) * p_t * (e + g_b)  # reductions as comm_parts
 
@@ -64,17 +66,15 @@ def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, chec
     groups as accelerate wraps (fsdp_utils.py: layers, input embedding, [norm, lm_head]): per micro-batch a
     gather per group, again in backward but the tail's (full_shard), a reduce-scatter per group (11 + 6), the
     reduce-scatters once per step under no_sync."""
-    if fsdp and engine_kind in ("zero3", "sgo"):
+    eng = engine_cost(engine_kind, fsdp)
+    if fsdp and eng.weight_gathers:  # a gather per group (full_shard: again in backward, but the tail's)
         groups = layers + 2
-        return float(ga * (groups + (groups - 1 if engine_kind == "zero3" else 0)) + (1 if no_sync else ga) * groups)
-    if engine_kind in ("zero1", "zero2") and reduce_bucket > 0 and tensors > 0:
+        return float(ga * (groups + (groups - 1) * (eng.weight_gathers - 1)) + (1 if no_sync else ga) * groups)
+    if eng.reduce_bucket_slices and reduce_bucket > 0 and tensors > 0:
         per = min(tensors, math.ceil(p_t / reduce_bucket))
-        return float((ga if engine_kind == "zero2" else 1) * per + 1)
+        return float((ga if eng.reduces_every_micro_batch else 1) * per + 1)
     calls = math.ceil(nbytes / BUCKET_BYTES) if nbytes > 0 else 0
-    if engine_kind == "zero3":
-        calls += ga * layers * (4 if checkpointing else 3)
-    elif engine_kind in ("zero2", "sgo"):
-        calls += ga * layers
+    calls += ga * layers * eng.layer_launches[1 if checkpointing else 0]
     return float(calls)
 
 
@@ -83,11 +83,7 @@ def overlap_for(engine_kind: str, profile: Any, cpu: bool = False) -> float:
     the share of them hidden (CPU processes: none, gloo shares the cores)."""
     if cpu:
         return profile.overlap_cpu_comm
-    if engine_kind == "ddp":
-        return profile.overlap_ddp
-    if engine_kind in ("zero1", "zero2", "sgo"):
-        return profile.overlap_zero12
-    return profile.overlap_zero3
+    return getattr(profile, engine_cost(engine_kind).overlap)
 
 
 def exposed_comm(comm_s: float, device_s: float, engine_kind: str, profile: Any, cpu: bool, layers: int) -> float:

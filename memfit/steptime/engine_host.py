@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.engines import engine_cost
 
 
 def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: float, p_t: float, g_b: float,
@@ -45,13 +46,13 @@ def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: fl
     micro-batches, on a CPU with one small op costing ``op_seconds`` and ``bandwidth`` bytes/s."""
     if n <= 1:
         return 0.0
-    grads = p_t * g_b
-    if engine in ("zero1", "zero2") and not fsdp:
-        reductions = ga if engine == "zero2" else 1
+    grads, eng = p_t * g_b, engine_cost(engine, fsdp)
+    if eng.tensor_hooks and not fsdp:
+        reductions = ga if eng.reduces_every_micro_batch else 1
         per = tensors * p.deepspeed_grad_ops * op_seconds + (6.0 + 2.0 / n) * grads / bandwidth
         return reductions * per + tensors * p.deepspeed_step_ops * op_seconds
-    if fsdp and engine in ("zero3", "sgo"):
-        gathers = 1.0 if engine == "sgo" else 2.0  # as memfit.steptime.step.comm_parts (none more under gc)
+    if fsdp and eng.unit_hooks:
+        gathers = float(eng.weight_gathers)  # as memfit.steptime.comm.comm_parts (none more under gc)
         copies = gathers * gather_bytes * (2.0 + 2.0 / n) + grads * (2.0 + 2.0 / n)
         per = tensors_all * p.fsdp2_ops_per_param * op_seconds + copies / bandwidth
         return ga * per + tensors * p.adamw_ops_per_tensor * p.dtensor_op_extra * op_seconds

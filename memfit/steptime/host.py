@@ -15,6 +15,7 @@ layer (h 2048) forward + backward under autocast, 0.23-0.61 ms per LoRA adapter 
 
 from __future__ import annotations
 
+from memfit.engines import engine_cost
 from memfit.spec.model import ModelSpec
 from memfit.steptime.work import RECOMPUTE_DISPATCH, ops_per_layer
 
@@ -38,9 +39,9 @@ def host_seconds(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: b
     (``deepspeed_grad_ops`` per trainable tensor per reduction, counted on CPU runs in small-op costs:
     memfit.steptime.engine_host; priced at ``cpu_op_seconds``, the unit they were counted in): every
     micro-batch under ZeRO-2, once per step under ZeRO-1 (here its share per micro-batch)."""
-    hooks = 0.0
-    if engine in ("zero1", "zero2"):
-        hooks = profile.deepspeed_grad_ops * grad_tensors / (1.0 if engine == "zero2" else max(1, ga))
+    hooks, eng = 0.0, engine_cost(engine)
+    if eng.tensor_hooks:
+        hooks = profile.deepspeed_grad_ops * grad_tensors / (1.0 if eng.reduces_every_micro_batch else max(1, ga))
     return host_ops(model, adapted, eager, gc, qlora, engine, profile) * profile.gpu_host_op_seconds \
         + hooks * profile.cpu_op_seconds
 
@@ -55,7 +56,7 @@ def host_ops(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: bool,
                + adapters * (1.0 + (RECOMPUTE_DISPATCH if gc else 0.0))) + 20.0
     if qlora:
         ops += profile.qlora_call_ops * L * sum(x.count for x in model.linears) * (1.5 if gc else 1.0)
-    if engine.startswith("fsdp") or engine == "fsdp":
+    if engine_cost(engine).unit_hooks:
         ops += profile.fsdp_unit_ops * (L + 2)
     return ops
 
@@ -64,4 +65,5 @@ def step_host_seconds(engine: str, grad_tensors: float, profile) -> float:
     """Host seconds of the engine's optimizer step beyond AdamW: DeepSpeed ZeRO-1/2's bookkeeping per
     trainable tensor (``deepspeed_step_ops`` small-op costs: the gradient norm per tensor, the flat
     partition's copies, timers); the step waits for it."""
-    return profile.deepspeed_step_ops * grad_tensors * profile.cpu_op_seconds if engine in ("zero1", "zero2") else 0.0
+    return profile.deepspeed_step_ops * grad_tensors * profile.cpu_op_seconds if engine_cost(engine).tensor_hooks \
+        else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.engines import engine_cost
 from memfit.steptime.speeds import Speeds
 
 
@@ -26,7 +27,7 @@ def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: floa
     4 for fp32 adapters or masters); ``adam_scale``: the update's bytes against the speeds' AdamW figures, which
     are per fp32 parameter (80 B of foreach passes; a calibration times fp32 tensors): 0.5 for 16-bit states
     (memfit.estimate.setup ``optimizer_dtypes``)."""
-    grads_local = p_t / (n if engine in ("zero2", "zero3", "sgo") else 1)
+    grads_local = p_t / (n if engine_cost(engine).shards_gradients else 1)
     clip = grads_local * grad_b * 3.0 / sp.bandwidth  # one pass of the gradients: read for the norm, scaled
     # FSDP under accelerate's no_sync accumulates its micro-batches' gradients unsharded, then reduces once
     accumulate = (ga - 1) * (p_t if no_sync else grads_local) * grad_b * 3.0 / sp.bandwidth

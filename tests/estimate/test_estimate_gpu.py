@@ -39,7 +39,7 @@ def test_qlora_after_prepare_model_for_kbit_training_runs_an_fp32_stream():
     from memfit.estimate import activations as A
     from memfit.estimate.constants import DEFAULT_PROFILE as P
     m = resolve_model("mistral-7b")
-    kw = dict(s=1024, b=1, e=2.0, attention="fa2", checkpointing=True, profile=P, method="qlora", shares=False)
+    kw = dict(s=1024, b=1, e=2.0, attention="fa2", checkpointing=True, profile=P, trained=False, shares=False)
     bf16 = A.activation_parts(m, **kw)
     fp32 = A.activation_parts(m, **kw, fp32_stream=True)
     # checkpointed layer inputs: 32 layers x 4 B x 1024 x 4096 (2 B in a 16-bit stream)
