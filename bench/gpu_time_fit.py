@@ -199,7 +199,8 @@ def accuracy(cases: list[TimeCase], record: dict | None = None) -> dict:
             "overall_is": "the named methods' rows (full, LoRA, QLoRA, DoRA); method=peft rows are scored apart",
             "fitted": {k: getattr(DEFAULT_PROFILE, k) for k in FITTED}, "kinds": kinds(jud, preds, record),
             "by_group": group_table([jud[i] for i in five], [preds[i] for i in five], record),
-            "peft_methods": peft_methods(jud, preds), "command": "python bench/gpu_time_fit.py --write"}
+            "peft_methods": peft_methods(jud, preds),
+            "command": "PYTHONPATH=. .venv/bin/python bench/gpu_time_fit.py --write"}
 
 
 def group_table(cases: list[TimeCase], left_out: list[float], record: dict) -> dict:

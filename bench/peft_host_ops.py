@@ -168,8 +168,9 @@ def main(argv=None) -> int:
                                   + (f", {e['step_ops']:g} ops per module and optimizer step"
                                      if "step_ops" in e else "")))
     if args.write:
-        HOST_OPS_FILE.write_text(json.dumps({**got, "command": "python bench/peft_host_ops.py --write",
-                                             "shape": SHAPE}, indent=1, sort_keys=True) + "\n")
+        command = "PYTHONPATH=. .venv/bin/python bench/peft_host_ops.py --write"
+        HOST_OPS_FILE.write_text(json.dumps({**got, "command": command, "shape": SHAPE}, indent=1,
+                                            sort_keys=True) + "\n")
     if args.check:
         have = json.loads(HOST_OPS_FILE.read_text()) if HOST_OPS_FILE.is_file() else {}
         if have.get("types") != got["types"]:
