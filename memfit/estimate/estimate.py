@@ -93,11 +93,11 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
     timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
-        engine=run.engine.kind, p_t=params.trainable, adapted=params.adapted,
+        engine=run.engine, p_t=params.trainable, tensors=params.tensors, adapted=params.adapted,
         gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
         g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
-        meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
-        fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp), prompt_tokens=method.prompt_tokens(model, strategy),
+        meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic,
+        fp32_stream=bool(params.fp32_stream), prompt_tokens=method.prompt_tokens(model, strategy),
         **run.optimizer_dtypes()))
 
     # ---- verdict --------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
                     cpu=cpu, cpu_phase="loading" if cpu["model_loading"] > steady else "training",
                     time=timed["time"], traffic=timed["traffic"], fits=not reasons, reasons=reasons,
-                    trainable_parameters=method.reported_trainable(model, strategy, params.trainable),
+                    trainable_parameters=params.trainable + params.outside,
                     floor_memory=frozen / (run.world if run.shard_weights else 1),
                     floor_seconds=timed["floor_seconds"], margin=margin, usable_gpu_bytes=usable,
                     attention_backend=backend, gpu_loading=gpu_loading,

@@ -68,7 +68,7 @@ def model_states(run: Setup, params: Parameters) -> States:
             root_b = F1.root_parameters(run.model) * (run.weight_b if run.method.trains_base else run.value_b)
             cpu_params, cpu_grads = P.fsdp_offload(run, max(weights_all - quant_state - root_b, 0.0), root_b,
                                                    trainable * 4.0)
-    weights += run.method.working_weight_bytes(run.numbers)  # QLoRA: a dequantised linear, whatever the offload
+    weights += params.working_weight  # QLoRA: a dequantised linear, whatever the offload
     return States(weights, grads, optim, cpu_optim, cpu_grads, cpu_params, autocast_copy, weights_all, compute_all)
 
 

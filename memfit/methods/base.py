@@ -3,13 +3,16 @@ for training (wrapping the loaded model, saving, loading) and its estimator hook
 
 The torch-free parts (fields, rules, target matching, the estimator hook) are read by ``memfit.spec``,
 ``memfit.estimate`` and ``memfit.plan``; the build, save and load steps import torch / transformers /
-peft inside the function, so importing a method costs nothing. Imports only :mod:`memfit.errors`.
+peft inside the function, so importing a method costs nothing. Imports only :mod:`memfit.errors` and
+:mod:`memfit.methods.types`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional
+
+from memfit.methods.types import EstimateLike, HardwareLike, ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 GC_KWARGS = {"use_reentrant": False}  # non-reentrant checkpointing: no "tensors does not require grad" trap
 ALL_LINEAR = "all-linear"
@@ -66,6 +69,13 @@ def get_trains_base(strategy: Any) -> bool:
     return METHODS[strategy.method].trains_base
 
 
+def weight_tensors(model: ModelLike) -> float:
+    """Parameter tensors of the whole model: every weight, bias and norm of the layers, the embedding and the
+    final norm, and the head unless tied (what the optimizer visits when everything trains)."""
+    per_layer = len(model.linears) + len(model.biases) + model.norms_per_layer
+    return float(model.layers * per_layer + 2 + (0 if model.tie_embeddings else 1))
+
+
 def enable_checkpointing(model: Any) -> None:
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=GC_KWARGS)
@@ -82,6 +92,10 @@ class Parameters(NamedTuple):
     fp32_stream: bool = False    # QLoRA after prepare_model_for_kbit_training: fp32 embeddings, norms and head
     targets: Optional[tuple] = None  # LoRA targets as counted (None: the method adapts no linears)
     adapted: frozenset = frozenset()  # names of the adapted linears (empty when nothing is adapted)
+    tensors: float = 0.0         # parameter tensors the optimizer visits (its per-tensor costs, the engines' hooks)
+    outside: float = 0.0         # trained parameters kept outside the device (MEFT's store): reported, not priced here
+    working_weight: float = 0.0  # weight bytes live beside the stored ones while a layer runs (QLoRA: one
+    #                              dequantised linear at a time)
 
 
 class AdapterMemory(NamedTuple):
@@ -92,6 +106,16 @@ class AdapterMemory(NamedTuple):
     buffers_saved: float = 0.0   # of ``buffers``, the part saved for backward (an activation, not static)
     host: float = 0.0            # bytes per process in CPU RAM (MEFT's store)
     rows: float = 0.0            # MEFT's rows used per layer (the time model's adapter matmuls)
+    router: float = 0.0          # parameters of a router run per token (MEFT's, h x experts per layer)
+    traffic: Optional["Traffic"] = None  # the method's own host <-> device bytes per step (MEFT)
+
+
+class Traffic(NamedTuple):
+    """A method's own host <-> device bytes per process and optimizer step (MEFT: memfit.methods.meft.memory)."""
+
+    h2d: float
+    d2h: float
+    experts: int     # the router's experts (its CPU search reads them)
 
 
 NO_ADAPTER = AdapterMemory()
@@ -118,8 +142,13 @@ class LayerWork(NamedTuple):
 NO_WORK = LayerWork()
 
 
+COST_HOOKS = ("parameters", "adapter_memory", "gathered_per_element", "extra_layer_work", "prompt_tokens")
+TRAINING_HOOKS = ("load_kwargs", "build", "optimizer", "callbacks", "save", "load", "parameters_outside")
+
+
 class Method:
-    """A fine-tuning method. Subclasses set the class attributes and override the steps they change."""
+    """A fine-tuning method. Subclasses set the class attributes and override the steps they change: the
+    cost hooks (``COST_HOOKS``, plain Python, typed) and the training steps (``TRAINING_HOOKS``, torch inside)."""
 
     name = ""
     family = ""              # the estimator's memory model: "full" | "lora" | "qlora" | "meft"
@@ -130,73 +159,51 @@ class Method:
     traced = False           # ``memfit measure --traced`` can trace it (FakeTensorMode)
 
     # ---------------------------------------------------------------- plain Python
-    def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
+    def rules(self, model: ModelLike, hardware: HardwareLike, strategy: StrategyLike) -> list[str]:
         """Reasons ``strategy`` cannot run this method on ``model`` / ``hardware`` whatever the memory."""
         return []
 
-    # ---------------------------------------------------------------- the estimator's terms (plain Python)
-    # The estimator (memfit.estimate) asks each method for its own memory terms; the engine and phase
-    # logic stays there. ``profile`` is memfit.estimate's Profile, ``numbers`` its per-model ModelNumbers.
+    def plan_note(self, estimate: EstimateLike) -> str:
+        """A sentence for the planner's explanation where this method is listed: what it buys and where its
+        case is ('' for none)."""
+        return ""
+
+    # ---------------------------------------------------------------- the cost hooks (plain Python)
+    # The estimator (memfit.estimate) and the time model (memfit.steptime) ask each method for its own terms
+    # through these five hooks and three flags; the engine and phase logic stays there. ``profile`` is
+    # memfit.estimate's Profile, ``numbers`` its per-model ModelNumbers (memfit.methods.types says what is read).
     fp32_adapters = False    # PEFT keeps the adapters in fp32 on a 16-bit base (unless DeepSpeed casts them)
     fsdp_adapter_units = False  # under FSDP1 every trainable leaf is a unit nested in its decoder layer (PEFT's
     #                             fsdp_auto_wrap_policy, which memfit's FSDP1 engine installs for LoRA-style methods)
     quantized = False        # the frozen base is 4-bit: dequantised one linear at a time, NF4 loading peak
 
-    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
-        """Trained parameters and frozen bytes (``half``: bytes of a value in the compute dtype)."""
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
+        """Trained parameters and their tensors, frozen bytes, what is kept outside the device (``half``: bytes
+        of a value in the compute dtype)."""
         raise NotImplementedError
 
-    def reported_trainable(self, model: Any, strategy: Any, trainable: float) -> float:
-        """Trainable parameters as reported (``trainable`` plus any kept outside the GPU)."""
-        return trainable
-
-    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
-                       compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
-                       on_cpu: bool) -> AdapterMemory:
-        """The method's own activations and buffers: ``compute_bytes`` a value in the compute dtype,
+    def adapter_memory(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                       params: Parameters, *, compute_bytes: float, cast_bytes: float, mask_bytes: float,
+                       rank_bytes: float, on_cpu: bool) -> AdapterMemory:
+        """The method's own activations, buffers and traffic: ``compute_bytes`` a value in the compute dtype,
         ``cast_bytes`` PEFT's cast of an adapter input (0: none), ``mask_bytes`` a dropout mask value,
         ``rank_bytes`` a value of the adapter path's outputs; ``on_cpu``: the device is this machine's RAM."""
         return NO_ADAPTER
 
-    def working_weight_bytes(self, numbers: Any) -> float:
-        """Weight bytes live beside the stored weights while a layer runs (QLoRA: one dequantised linear)."""
-        return 0.0
-
-    def gathered_per_element(self, strategy: Any, profile: Any) -> float:
+    def gathered_per_element(self, strategy: StrategyLike, profile: ProfileLike) -> float:
         """Stored elements per parameter (ZeRO-3's gather limits count elements of the stored tensors)."""
         return 1.0
 
-    def traffic(self, model: Any, strategy: Any, profile: Any) -> Optional[dict]:
-        """CPU<->device bytes per step of the method itself (MEFT), for the time model; None: none."""
-        return None
-
-    # LoRA-style methods count their adapters; these two hooks add what a variant holds beyond them.
-    def extra_trainable_parameters(self, model: Any, targets: Any) -> int:
-        """Trained parameters beyond the family's (they get gradients and optimizer state like the rest)."""
-        return 0
-
-    def extra_saved_bytes(self, model: Any, strategy: Any, targets: Any, *, tokens: int, compute_bytes: float,
-                          adapter_bytes: float, cast_bytes: float, layers: float) -> float:
-        """Bytes saved for backward beyond the family's, over ``layers`` layers with saved activations
-        (``tokens`` = micro-batch × sequence; ``compute_bytes``: a value of the base linear's output;
-        ``adapter_bytes``: of the adapter path's outputs; ``cast_bytes``: PEFT's cast of the input to the
-        adapter dtype, 0 when there is none)."""
-        return 0.0
-
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
+    def extra_layer_work(self, model: ModelLike, strategy: StrategyLike, adapted: frozenset) -> LayerWork:
         """One layer's work per micro-batch beyond the family's, for the time model (memfit.steptime prices
         it). ``adapted``: the adapted linears' names. ``NO_WORK``: nothing beyond the family."""
         return NO_WORK
 
-    def prompt_tokens(self, model: Any, strategy: Any) -> int:
+    def prompt_tokens(self, model: ModelLike, strategy: StrategyLike) -> int:
         """Virtual tokens the method puts in front of every sequence (PEFT's prompt tuning): every layer, the
         attention and the head process seq_len + these; the tokens counted stay seq_len. 0 for most."""
         return 0
-
-    def plan_note(self, estimate: Any) -> str:
-        """A sentence for the planner's explanation where this method is listed: what it buys and where its
-        case is ('' for none)."""
-        return ""
 
     # ---------------------------------------------------------------- training (torch inside)
     def load_kwargs(self, run: Any, compute_dtype: Any, engine: Any, local_rank: int, cuda: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.engines import EngineCost
 from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec
 from memfit.steptime.host import MODULES_PER_LAYER_EXTRA
@@ -40,7 +41,7 @@ class Shape:
     router: float             # MEFT's router parameters
     chunked_loss: bool
     redo_head: bool           # the chunked loss recomputes each chunk's logits (DeepSpeed ZeRO-3's partitioned head)
-    fsdp: bool                # FSDP's per-unit hooks
+    fsdp: bool                # the engine's hooks per wrapped unit (FSDP)
     zero_grad_hooks: float    # DeepSpeed ZeRO-1/2: trainable tensors whose gradient hooks run per micro-batch
     zero3_hooks: bool         # DeepSpeed ZeRO-3's fetch / release hooks
     method: str               # the run's method and PEFT config: its LayerWork (memfit.steptime.work.extra_work)
@@ -142,14 +143,16 @@ def micro_work(model: ModelSpec, sh: Shape, st) -> Work:
 
 
 def shape_for(model: ModelSpec, st, e: float, adapted: frozenset, meft_rows: float, router: float,
-              fp32_stream: bool, engine: str, fsdp: bool, grad_tensors: float) -> Shape:
-    """The micro-batch's :class:`Shape` from the strategy and what the memory side resolved."""
+              fp32_stream: bool, engine: EngineCost, grad_tensors: float) -> Shape:
+    """The micro-batch's :class:`Shape` from the strategy, the engine's record and what the memory side
+    resolved. The engine's gradient hooks run per trainable tensor every micro-batch where it reduces every
+    micro-batch (ZeRO-2), else once per step: a 1/accumulation share each (ZeRO-1)."""
     chunked = getattr(st, "loss", "standard") == "chunked"
-    zero12 = engine in ("zero1", "zero2") and not fsdp
-    hooks = grad_tensors / (1.0 if engine == "zero2" else max(1, st.grad_accum)) if zero12 else 0.0
+    hooks = grad_tensors / (1.0 if engine.reduces_every_micro_batch else max(1, st.grad_accum)) \
+        if engine.tensor_hooks else 0.0
     method = METHODS[st.method]
     return Shape(st.micro_batch_size, st.seq_len, st.gradient_checkpointing, st.attention == "eager", e,
                  method.trains_base, adapted, st.lora_r, st.lora_dropout > 0, st.precision in ("bf16", "fp32"),
-                 fp32_stream, method.quantized, meft_rows, router, chunked, chunked and engine == "zero3" and not fsdp,
-                 fsdp, hooks, engine == "zero3" and not fsdp, st.method, getattr(st, "peft_config", None),
+                 fp32_stream, method.quantized, meft_rows, router, chunked, chunked and engine.loss_recomputes_head,
+                 engine.unit_hooks, hooks, engine.module_fetch_hooks, st.method, getattr(st, "peft_config", None),
                  st.precision)

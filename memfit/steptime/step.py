@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memfit.engines import EngineCost
+from memfit.methods import METHODS
+from memfit.methods.base import Traffic, weight_tensors
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec
 from memfit.steptime.comm import collective_calls, comm_parts, exposed_comm, fsdp2_copy_bytes
@@ -26,23 +29,12 @@ from memfit.steptime.speeds import speeds_for
 from memfit.steptime.work import extra_work
 
 
-def trainable_tensors(model: ModelSpec, method: str, adapted: int) -> float:
-    """Parameter tensors the optimizer visits: every weight, bias and norm (full), two per adapted linear
-    (LoRA), one router per layer (MEFT)."""
-    if method == "full":
-        per_layer = len(model.linears) + len(model.biases) + model.norms_per_layer
-        return float(model.layers * per_layer + 2 + (0 if model.tie_embeddings else 1))
-    if method == "meft":
-        return float(model.layers)
-    return float(model.layers * adapted * 2)
-
-
-def _meft_seconds(model: ModelSpec, st: Any, p: Any, sp: Any, traffic: dict, rows: float, cpu: bool) -> float:
+def _meft_seconds(model: ModelSpec, st: Any, p: Any, sp: Any, traffic: Traffic, rows: float, cpu: bool) -> float:
     """MEFT's own time per step: its rows moved (overlapped by ``meft_overlap``), the CPU's expert search and the
     CPU Adam update of the rows used."""
     ga = st.grad_accum
-    moved = 0.0 if cpu else traffic["h2d"] / sp.h2d + traffic["d2h"] / sp.d2h
-    experts = traffic["experts"]
+    moved = 0.0 if cpu else traffic.h2d / sp.h2d + traffic.d2h / sp.d2h
+    experts = traffic.experts
     search = 2.0 * model.hidden * (experts + st.meft_n_probe * st.meft_neurons / experts)
     cpu_search = ga * float(st.micro_batch_size) * st.seq_len * model.layers * search / p.meft_cpu_flops
     cpu_update = ga * model.layers * 2.0 * rows * model.hidden * sp.cpu_adam_per_param
@@ -69,17 +61,18 @@ def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p
 class StepInputs:
     """What the memory side resolved that the step's time reads (memfit.estimate builds it once per estimate)."""
 
-    engine: str                  # ddp | zero1 | zero2 | zero3 | sgo (memfit.estimate.setup's engine kind)
+    engine: EngineCost           # the engine's record (memfit.engines)
     p_t: float                   # trainable parameters
+    tensors: float               # their tensors, as the optimizer visits them (Parameters.tensors)
     adapted: frozenset           # the adapted linears' names (empty unless LoRA-style)
     gather_bytes: float          # bytes a full gather moves (FSDP: the compute copy; else the stored weights)
     g_comm: float                # bytes of a gradient value as reduced
     w_comm: float                # bytes of a weight value as gathered / uploaded
     shard_o: bool                # the optimizer state is sharded
     meft_rows: float = 0.0       # MEFT's rows used per layer
-    meft_traffic: Optional[dict] = None  # MEFT's host <-> device bytes per step (Method.traffic)
+    router: float = 0.0          # parameters of a router run per token (MEFT's)
+    meft_traffic: Optional[Traffic] = None  # the method's own host <-> device bytes per step (AdapterMemory.traffic)
     fp32_stream: bool = False    # QLoRA's fp32 residual stream (prepare_model_for_kbit_training)
-    fsdp: bool = False
     prompt_tokens: int = 0       # virtual tokens a prompt-learning method puts before every sequence (PEFT's
     #                              prompt tuning concatenates them to the input embeddings: every layer, the
     #                              attention and the head process seq_len + these; the tokens counted stay seq_len)
@@ -92,16 +85,15 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
     engine, p_t, adapted, gather_bytes = w.engine, w.p_t, w.adapted, w.gather_bytes
     g_comm, w_comm, shard_o, meft_rows = w.g_comm, w.w_comm, w.shard_o, w.meft_rows
-    fp32_stream, fsdp, prompt_tokens = w.fp32_stream, w.fsdp, w.prompt_tokens
-    prec, method, ga = st.precision, st.method, st.grad_accum
+    fp32_stream, fsdp, prompt_tokens = w.fp32_stream, engine.fsdp_version > 0, w.prompt_tokens
+    prec, ga = st.precision, st.grad_accum
     shape = st.model_copy(update={"seq_len": st.seq_len + prompt_tokens}) if prompt_tokens else st
     n, cpu = hw.world_size, bool(hw.gpu.is_cpu)
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
-    router = p_t if method == "meft" else 0.0
-    tensors_t = trainable_tensors(model, method, len(adapted))
-    work = micro_work(model, shape_for(model, shape, e, adapted, meft_rows, router, fp32_stream, engine, fsdp,
-                                       tensors_t), shape)
+    tensors_t = w.tensors
+    work = micro_work(model, shape_for(model, shape, e, adapted, meft_rows, w.router, fp32_stream, engine, tensors_t),
+                      shape)
     mb = price(work, device_for(sp, p))
     off_opt = st.offload != "none"
     local = p_t / (n if shard_o else 1)
@@ -109,7 +101,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     tensors = tensors_t / (n if shard_o and not fsdp else 1)
     no_sync = fsdp and not getattr(st, "fsdp_sync_each_batch", True)  # accelerate's no_sync (estimate.peak)
     optim_s = optimizer_seconds(sp, engine, p_t, n, tensors, local, ga, off_opt, no_sync, w.grad_b, w.adam_scale)
-    if sp.first_touch and method == "full" and not off_opt:  # CPU: fresh gradients and AdamW temporaries
+    if sp.first_touch and METHODS[st.method].trains_base and not off_opt:  # CPU: fresh gradients and AdamW temporaries
         share = n if shard_o else 1  # full fine-tuning's large tensors: the embedding, the head, the linears
         big = [model.vocab * model.hidden / share] * (1 if model.tie_embeddings else 2) + \
             [lin.parameters / share for lin in model.linears] * model.layers
@@ -132,11 +124,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     traffic = {"h2d": 0.0, "d2h": 0.0, "comm_bytes_per_gpu": cbytes, "offload_pcie_bytes": pcie_b}
     meft_s = 0.0
     if w.meft_traffic is not None:
-        traffic["h2d"], traffic["d2h"] = w.meft_traffic["h2d"], w.meft_traffic["d2h"]
+        traffic["h2d"], traffic["d2h"] = w.meft_traffic.h2d, w.meft_traffic.d2h
         meft_s = _meft_seconds(model, st, p, sp, w.meft_traffic, meft_rows, cpu)
-    engine_s = step_host_seconds(engine if not fsdp else "fsdp", tensors_t, p) if sp.gpu else 0.0
+    engine_s = step_host_seconds(engine, tensors_t, p) if sp.gpu else 0.0
     engine_s += 0.0 if sp.overlap_dispatch or off_opt else engine_host_seconds(  # CPU, no offload: measured
-        engine, fsdp, tensors_t, trainable_tensors(model, "full", 0), p_t, g_comm, gather_bytes, n, ga,
+        engine, fsdp, tensors_t, weight_tensors(model), p_t, g_comm, gather_bytes, n, ga,
         sp.op_seconds, sp.bandwidth, p)
     trainer_ops = trainer_loop_ops(p, ga, len(adapted) * model.layers)
     trainer_s = trainer_ops * sp.op_seconds + (p.trainer_step_collectives * sp.collective_latency if n > 1 else 0.0)

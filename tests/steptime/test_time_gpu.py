@@ -4,7 +4,7 @@ import pytest
 
 from memfit.estimate import estimate
 from memfit.steptime.loop import CLIP_FOREACH_OPS
-from memfit.steptime.step import trainable_tensors
+from memfit.methods.base import weight_tensors
 from memfit.spec import hwprofile
 from memfit.spec.hardware import CATALOG, HardwareSpec
 from memfit.spec.model import model_from_config
@@ -40,7 +40,7 @@ def pool(**kw):
 
 def test_optimizer_phase_is_the_longer_of_host_and_device():
     st = Strategy(method="full", seq_len=8, micro_batch_size=1, precision="bf16-mixed")
-    tensors = trainable_tensors(TINY, "full", 0)
+    tensors = weight_tensors(TINY)
     assert tensors == 2 * 9 + 2 + 1  # 7 linears + 2 norms per layer, embedding, final norm, untied head
     clip_bytes = PARAMS * 4.0 * 3.0 / 1e12  # the norm reads every fp32 gradient, the scale reads and writes it
     host = tensors * 1e-5 + CLIP_FOREACH_OPS * 1e-5  # AdamW's per-tensor Python + clipping's foreach ops

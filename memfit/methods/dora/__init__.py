@@ -34,10 +34,9 @@ weight norm's temporaries), freed once each linear's forward returns.
 
 from __future__ import annotations
 
-from typing import Any
-
 from memfit.methods.base import LayerWork
 from memfit.methods.lora import Lora
+from memfit.methods.types import ModelLike, StrategyLike
 
 
 class Dora(Lora):
@@ -46,10 +45,11 @@ class Dora(Lora):
     use_dora = True
     planned = False   # searched when asked for (--methods dora), not by default
 
-    def extra_trainable_parameters(self, model: Any, targets: Any) -> int:
+    def extra_trainable_parameters(self, model: ModelLike, targets: tuple) -> int:
         return model.layers * sum(lin.out_features for lin in model.lora_linears(targets))
 
-    def extra_saved_bytes(self, model: Any, strategy: Any, targets: Any, *, tokens: int, compute_bytes: float,
+    def extra_saved_bytes(self, model: ModelLike, strategy: StrategyLike, targets: tuple, *, tokens: int,
+                          compute_bytes: float,
                           adapter_bytes: float, cast_bytes: float, layers: float) -> float:
         linears = model.lora_linears(targets)
         outs = sum(lin.out_features for lin in linears)
@@ -61,7 +61,7 @@ class Dora(Lora):
         return layers * (tokens * outs * (base_b + adapter_bytes) + weights)
 
 
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
+    def extra_layer_work(self, model: ModelLike, strategy: StrategyLike, adapted: frozenset) -> LayerWork:
         a = 4.0  # PEFT keeps the adapters in fp32 (autocast_adapter_dtype) and casts the input to them
         linears = [x for x in model.linears if x.name in adapted]
         return LayerWork(weight_bytes=sum(x.count * (2.0 * a * x.in_features ** 2 + (8.0 * a + 2.0) * x.in_features

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.methods.base import Method, Parameters, enable_checkpointing
+from memfit.methods.base import Method, Parameters, enable_checkpointing, weight_tensors
+from memfit.methods.types import ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 
 class Full(Method):
@@ -13,8 +14,9 @@ class Full(Method):
     output = "model"
     traced = True
 
-    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
-        return Parameters(float(model.parameters), 0.0)
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
+        return Parameters(float(model.parameters), 0.0, tensors=weight_tensors(model))
 
     def build(self, model: Any, run: Any, engine: Any) -> tuple[Any, list[str]]:
         if run.strategy.gradient_checkpointing:

@@ -9,6 +9,7 @@ from memfit.errors import ConfigError
 from memfit.methods.lora.config import LoraSettings
 from memfit.methods.base import (ALL_LINEAR, NO_ADAPTER, AdapterMemory, Method, Parameters, enable_checkpointing,
                                  matched_linears, peft_target_modules)
+from memfit.methods.types import ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 
 def model_linear_names(model: Any) -> list[str]:
@@ -88,9 +89,24 @@ class Lora(Method):
             return (ALL_LINEAR,)
         return targets
 
-    def frozen(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> tuple[float, float, bool]:
+    def frozen(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+               half: float) -> tuple[float, float, bool]:
         """(frozen base bytes, quantisation state bytes, fp32 residual stream): 16-bit weights (QLoRA overrides)."""
         return float(model.parameters) * half, 0.0, False
+
+    # a LoRA variant's own terms beyond the family's (DoRA: its magnitude vectors and weight norm)
+    def extra_trainable_parameters(self, model: ModelLike, targets: tuple) -> int:
+        """Trained parameters beyond the family's (they get gradients and optimizer state like the rest)."""
+        return 0
+
+    def extra_saved_bytes(self, model: ModelLike, strategy: StrategyLike, targets: tuple, *, tokens: int,
+                          compute_bytes: float,
+                          adapter_bytes: float, cast_bytes: float, layers: float) -> float:
+        """Bytes saved for backward beyond the family's, over ``layers`` layers with saved activations
+        (``tokens`` = micro-batch × sequence; ``compute_bytes``: a value of the base linear's output;
+        ``adapter_bytes``: of the adapter path's outputs; ``cast_bytes``: PEFT's cast of the input to the
+        adapter dtype, 0 when there is none)."""
+        return 0.0
 
     def adapter_parameters(self, model: Any, strategy: Any, targets: Any) -> int:
         """r x (in + out) per adapted linear over the layers, each at its rank_pattern rank; + the trainable
@@ -110,15 +126,18 @@ class Lora(Method):
         return sum(lin.count * lin.active * pattern_value(strategy.lora_rank_pattern, lin.short, strategy.lora_r)
                    for lin in lins) / total if total else strategy.lora_r
 
-    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
         targets = self.counted_targets(strategy, numbers)
         trainable = float(self.adapter_parameters(model, strategy, targets)
                           + self.extra_trainable_parameters(model, targets))
         adapted = numbers.lora_sums(targets)[2] if trainable else frozenset()
         frozen_bytes, quant_state, fp32_stream = self.frozen(model, strategy, profile, numbers, half)
-        return Parameters(trainable, frozen_bytes, quant_state, fp32_stream, targets, adapted)
+        return Parameters(trainable, frozen_bytes, quant_state, fp32_stream, targets, adapted,
+                          tensors=float(model.layers * len(adapted) * 2))  # A and B per adapted linear
 
-    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+    def adapter_memory(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                       params: Parameters, *,
                        compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
                        on_cpu: bool) -> AdapterMemory:
         if not params.adapted:

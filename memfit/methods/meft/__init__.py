@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.methods.base import AdapterMemory, Method, Parameters, enable_checkpointing
+from memfit.methods.base import AdapterMemory, Method, Parameters, Traffic, enable_checkpointing
 from memfit.methods.meft.memory import meft_experts, meft_memory, meft_traffic_bytes
 from memfit.methods.meft.config import MeftSettings
+from memfit.methods.types import ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 # MEFT keeps fp32 keys/values, their gradients and Adam's two moments in CPU memory.
 MEFT_CPU_BYTES_PER_PARAM = 16
@@ -19,23 +20,22 @@ class Meft(Method):
     fields = tuple(MeftSettings.model_fields)  # memfit/methods/meft/config.py
 
     # ---------------------------------------------------------------- the estimator's terms
-    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
         """The router (hidden x experts per layer) is trained on the GPU; the adapter lives on the CPU."""
         experts = meft_experts(strategy.meft_neurons, strategy.meft_experts)
-        return Parameters(float(model.layers * model.hidden * experts), float(model.parameters) * half)
+        return Parameters(float(model.layers * model.hidden * experts), float(model.parameters) * half,
+                          tensors=float(model.layers),  # one router per layer
+                          outside=2.0 * model.layers * strategy.meft_neurons * model.hidden)  # keys and values
 
-    def reported_trainable(self, model: Any, strategy: Any, trainable: float) -> float:
-        return trainable + 2.0 * model.layers * strategy.meft_neurons * model.hidden  # keys and values
-
-    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+    def adapter_memory(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                       params: Parameters, *,
                        compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
                        on_cpu: bool) -> AdapterMemory:
         buffers, saved, host, rows = meft_memory(model, strategy, profile, compute_bytes, on_cpu)
-        return AdapterMemory(0.0, buffers, saved, host, rows)
-
-    def traffic(self, model: Any, strategy: Any, profile: Any) -> dict:
-        return {**meft_traffic_bytes(model, strategy, profile),
-                "experts": meft_experts(strategy.meft_neurons, strategy.meft_experts)}
+        moved = meft_traffic_bytes(model, strategy, profile)
+        return AdapterMemory(0.0, buffers, saved, host, rows, router=params.trainable, traffic=Traffic(
+            moved["h2d"], moved["d2h"], meft_experts(strategy.meft_neurons, strategy.meft_experts)))
 
     def plan_note(self, estimate: Any) -> str:
         """What MEFT buys (its trainable share, kept off the GPU) and what it is for, with memfit's own result."""

@@ -21,6 +21,7 @@ from memfit.methods.peft.count import counted, peft_config_object
 from memfit.methods.peft.saved import adaption_prompt_bytes, saved_bytes
 from memfit.methods.peft.work import layer_work
 from memfit.methods.peft.config import PeftSettings
+from memfit.methods.types import ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 
 def adapter_count(model: Any, strategy: Any) -> dict:
@@ -38,24 +39,26 @@ class Peft(Method):
     planned = False          # searched when asked for (--methods peft with a peft_config)
     fp32_adapters = True
 
-    def parameters(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> Parameters:
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
         c = adapter_count(model, strategy)
         # the adapter's frozen additions (VeRA's projections, OSF's SVD factors) beside the base, in its dtype
         return Parameters(float(c["trainable"]), (float(model.parameters) + c["frozen_added"]) * half)
 
-    def extra_layer_work(self, model: Any, strategy: Any, adapted: Any) -> LayerWork:
+    def extra_layer_work(self, model: ModelLike, strategy: StrategyLike, adapted: frozenset) -> LayerWork:
         """The PEFT layer's own GEMMs per decoder layer, for the time model (rules per layer type, read from
         PEFT's code: :mod:`~memfit.methods.peft.work`)."""
         return layer_work(adapter_count(model, strategy), model)
 
-    def prompt_tokens(self, model: Any, strategy: Any) -> int:
+    def prompt_tokens(self, model: ModelLike, strategy: StrategyLike) -> int:
         """Virtual tokens prompt tuning / P-tuning put before every sequence (peft_model.py's
         PeftModelForCausalLM.forward concatenates them to the input embeddings: every layer and the logits
         see seq_len + these); prefix tuning's are keys and values only (counted by the attention's KV)."""
         c = adapter_count(model, strategy)
         return c["virtual_tokens"] if c["peft_type"] in ("PROMPT_TUNING", "P_TUNING") else 0
 
-    def adapter_memory(self, model: Any, strategy: Any, profile: Any, numbers: Any, params: Parameters, *,
+    def adapter_memory(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                       params: Parameters, *,
                        compute_bytes: float, cast_bytes: float, mask_bytes: float, rank_bytes: float,
                        on_cpu: bool) -> AdapterMemory:
         c = adapter_count(model, strategy)

@@ -6,9 +6,10 @@ import importlib.util
 from typing import Any
 
 from memfit.errors import IncompatibleError
-from memfit.methods.base import GC_KWARGS, enable_checkpointing
+from memfit.methods.base import GC_KWARGS, Parameters, enable_checkpointing
 from memfit.methods.lora import Lora
 from memfit.methods.qlora.config import QLoraSettings
+from memfit.methods.types import ModelLike, NumbersLike, ProfileLike, StrategyLike
 
 # The dtype FSDP / ZeRO-3 flatten parameters to, per precision: QLoRA's quant storage must equal it.
 PARAM_DTYPE = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
@@ -22,7 +23,8 @@ class QLora(Lora):
     quantized = True
 
     # ---------------------------------------------------------------- the estimator's terms
-    def frozen(self, model: Any, strategy: Any, profile: Any, numbers: Any, half: float) -> tuple[float, float, bool]:
+    def frozen(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+               half: float) -> tuple[float, float, bool]:
         """NF4 linears (+ absmax), the rest in fp32 after k-bit preparation (16-bit under ZeRO-3/FSDP)."""
         st, p = strategy, profile
         absmax = p.nf4_absmax_bytes_double_quant if st.double_quant else p.nf4_absmax_bytes
@@ -36,10 +38,13 @@ class QLora(Lora):
             quant_state += numbers.linear_params * p.nf4_bytes_per_param  # (fsdp_utils.py:800-811): replicated
         return frozen_bytes, quant_state, bool(upcast) and st.precision != "fp32"
 
-    def working_weight_bytes(self, numbers: Any) -> float:
-        return numbers.largest_linear * 2.0  # one Linear4bit dequantised to 16-bit at a time
+    def parameters(self, model: ModelLike, strategy: StrategyLike, profile: ProfileLike, numbers: NumbersLike,
+                   half: float) -> Parameters:
+        # one Linear4bit dequantised to 16-bit at a time, beside the stored weights
+        return super().parameters(model, strategy, profile, numbers, half)._replace(
+            working_weight=numbers.largest_linear * 2.0)
 
-    def gathered_per_element(self, strategy: Any, profile: Any) -> float:
+    def gathered_per_element(self, strategy: StrategyLike, profile: ProfileLike) -> float:
         return STORAGE_BYTES[strategy.quant_storage] / profile.nf4_bytes_per_param  # NF4: 2 values per uint8
 
     def rules(self, model: Any, hardware: Any, strategy: Any) -> list[str]:
