@@ -96,6 +96,7 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         engine=run.engine, p_t=params.trainable, tensors=params.tensors, adapted=params.adapted,
         gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
         g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
+        reduce_bucket=profile.zero_reduce_bucket_per_h2 * model.hidden ** 2,
         meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic,
         fp32_stream=bool(params.fp32_stream), prompt_tokens=method.prompt_tokens(model, strategy),
         **run.optimizer_dtypes()))

@@ -4,9 +4,9 @@ for (memfit.steptime.step)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from memfit.engines import engine_cost
+from memfit.steptime.constants import TimeProfile
 
 BUCKET_BYTES = 25e6  # DDP's bucket_cap_mb (25) and the order of DeepSpeed's reduce buckets: one call each
 
@@ -78,7 +78,7 @@ def collective_calls(engine_kind: str, layers: int, nbytes: float, ga: int, chec
     return float(calls)
 
 
-def overlap_for(engine_kind: str, profile: Any, cpu: bool = False) -> float:
+def overlap_for(engine_kind: str, profile: TimeProfile, cpu: bool = False) -> float:
     """The share of the micro-batches' device time behind which the engine's collectives can run (GPUs), or
     the share of them hidden (CPU processes: none, gloo shares the cores)."""
     if cpu:
@@ -86,7 +86,8 @@ def overlap_for(engine_kind: str, profile: Any, cpu: bool = False) -> float:
     return getattr(profile, engine_cost(engine_kind).overlap)
 
 
-def exposed_comm(comm_s: float, device_s: float, engine_kind: str, profile: Any, cpu: bool, layers: int) -> float:
+def exposed_comm(comm_s: float, device_s: float, engine_kind: str, profile: TimeProfile, cpu: bool,
+                 layers: int) -> float:
     """Collective seconds the step waits for. CPU processes: all but the hidden share. GPUs: NCCL runs on its
     own streams beside the kernels, so the collectives hide behind up to ``overlap_for`` of the device's
     compute (DDP's bucketed all-reduce behind the backward; FSDP / ZeRO-3's prefetched gathers behind forward

@@ -31,14 +31,14 @@ engines take other paths (unmeasured): not added.
 
 from __future__ import annotations
 
-from typing import Any
 
 from memfit.engines import engine_cost
+from memfit.steptime.constants import TimeProfile
 
 
 def engine_host_seconds(engine: str, fsdp: bool, tensors: float, tensors_all: float, p_t: float, g_b: float,
                         gather_bytes: float, n: int, ga: int, op_seconds: float, bandwidth: float,
-                        p: Any) -> float:
+                        p: TimeProfile) -> float:
     """Seconds per optimizer step of the engine's host work outside its collectives and the optimizer's
     own sweep: ``tensors`` trainable tensors (all of them, not a shard), ``tensors_all`` every parameter
     tensor (FSDP's hooks visit the frozen ones too), ``p_t`` trainable parameters of

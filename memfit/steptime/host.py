@@ -18,6 +18,7 @@ from __future__ import annotations
 from memfit.engines import engine_cost
 from memfit.spec.model import ModelSpec
 from memfit.steptime.work import RECOMPUTE_DISPATCH, ops_per_layer
+from memfit.steptime.constants import TimeProfile
 
 MODULES_PER_LAYER_EXTRA = 6  # besides the linears and norms: the layer, attention, MLP, activation, rotary, dropout
 
@@ -32,7 +33,7 @@ def zero3_hook_seconds(model: ModelSpec, gc: bool, profile) -> float:
     return profile.zero3_module_ops * modules * model.layers * redo * profile.gpu_host_op_seconds
 
 
-def host_seconds(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: bool, engine: str, profile,
+def host_seconds(model: ModelSpec, adapted: int, eager: bool, gc: bool, qlora: bool, engine: str, profile: TimeProfile,
                  grad_tensors: float = 0.0, ga: int = 1) -> float:
     """Host seconds of one micro-batch: its module-level ops, forward + backward (+ the recomputed forward),
     at ``gpu_host_op_seconds``, and DeepSpeed ZeRO-1/2's gradient hooks in the backward

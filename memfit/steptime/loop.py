@@ -3,10 +3,10 @@ accumulation) and the HF Trainer's own loop."""
 
 from __future__ import annotations
 
-from typing import Any
 
 from memfit.engines import engine_cost
 from memfit.steptime.speeds import Speeds
+from memfit.steptime.constants import TimeProfile
 
 
 # torch.nn.utils.clip_grad_norm_ with foreach (CUDA; torch/nn/utils/clip_grad.py): group, _foreach_norm, stack
@@ -41,7 +41,7 @@ def optimizer_seconds(sp: Speeds, engine: str, p_t: float, n: int, tensors: floa
     return max(adam_host + CLIP_FOREACH_OPS * sp.op_seconds, adam_dev + clip + accumulate)
 
 
-def trainer_loop_ops(p: Any, ga: int, adapters: int) -> float:
+def trainer_loop_ops(p: TimeProfile, ga: int, adapters: int) -> float:
     """The HF Trainer's own work per loop iteration beyond the bare loop (forward, backward, clipping, AdamW),
     in small-op costs: per step, per micro-batch, and with a PEFT model its wrappers and a share per adapted
     linear; then the loop around the step (logging, the next batch's fetch). bench/trainer_overhead.py

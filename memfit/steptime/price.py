@@ -8,19 +8,24 @@ longer of the two), and add where one processor does both (a CPU); what the host
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Union
+
 
 from memfit.steptime.measured import MeasuredDevice
 from memfit.steptime.micro import CatalogGpu
+from memfit.steptime.speeds import Speeds
 from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Gemm, Kernels, Linear,
                                  MicroBatch, Router, Sync, Tensors, Work)
 from memfit.steptime.work import _PER_MODEL
+from memfit.steptime.constants import TimeProfile
+
+Device = Union[CatalogGpu, MeasuredDevice]  # what prices work: each has a price per kind of op
 
 _DEVICES: dict = {}
 _PRICED: dict = {}
 
 
-def device_for(sp: Any, profile: Any):
+def device_for(sp: Speeds, profile: TimeProfile) -> Device:
     """The device that prices work at speeds ``sp`` (memfit.steptime.speeds.Speeds): its catalog GPU's rates,
     else the measured speeds (one object per speeds and Profile, so what it priced is reused)."""
     key = (id(sp), id(profile))
@@ -32,7 +37,7 @@ def device_for(sp: Any, profile: Any):
     return hit[2]
 
 
-def price(work: Work, device) -> MicroBatch:
+def price(work: Work, device: Device) -> MicroBatch:
     """``work`` on ``device``: seconds by part and FLOPs by kind (cached per work, shape and device)."""
     key = (work.key, work.batch, work.seq, device) if work.key else None
     hit = _PRICED.get(key) if key else None
@@ -45,7 +50,7 @@ def price(work: Work, device) -> MicroBatch:
     return hit
 
 
-def _price(work: Work, dev) -> MicroBatch:
+def _price(work: Work, dev: Device) -> MicroBatch:
     T, b, s = work.tokens, float(work.batch), float(work.seq)
     matmul = attn = mem = dequant = host = serial = 0.0
     dense = adapter = attn_flops = 0.0

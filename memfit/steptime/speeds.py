@@ -21,6 +21,7 @@ from memfit.spec.hardware import HardwareSpec
 from memfit.steptime.cpu import CPU_FLASH_SHORT, cpu_flash_work
 from memfit.steptime.devices import device_kind
 from memfit.steptime.rates import GpuRates, gpu_rates
+from memfit.steptime.constants import TimeProfile
 
 UNCALIBRATED = "catalog peak x utilisation, uncalibrated"  # an uncalibrated CPU
 GPU_PARTS = "catalog GPU, parts model (memfit.steptime), uncalibrated"
@@ -172,7 +173,7 @@ def _dtype(precision: str, device: str) -> str:
     return "fp16" if precision.startswith("fp16") else "bf16"
 
 
-def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
+def measured_speeds(rates: Any, hw: HardwareSpec, precision: str, attention: str, profile: TimeProfile) -> Speeds:
     cpu = rates.device == "cpu"
     threads = threads_per_process(hw) if cpu else 0
     share = min(1.0, rates.cores / float(threads * hw.gpus_per_node)) if cpu else 1.0
@@ -264,7 +265,7 @@ def _overheads(o: Any, share: float) -> Optional[tuple[float, ...]]:
             None if gc is None else float(gc) / share)
 
 
-def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
+def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: TimeProfile) -> Speeds:
     """The uncalibrated speeds: for a CPU, the core-count FLOP/s guess (N processes share the cores); for a
     catalog GPU, its kind's rates (memfit.steptime: the micro-batch is priced from parts there)."""
     p, gpu = profile, hw.gpu
@@ -299,7 +300,7 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: An
         dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager", gpu=g)
 
 
-def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: Any) -> Speeds:
+def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: TimeProfile) -> Speeds:
     """Measured speeds for a calibrated 'local' pool of the same device kind, else the catalog's."""
     rates: Optional[Any] = getattr(hw, "rates", None)
     if rates is None:  # the catalog's: by identity first (hashing the Profile's fields costs more than the rest)
@@ -323,7 +324,7 @@ _CACHE: dict = {}
 _BY_ID: dict = {}
 
 
-def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: Any) -> Speeds:
+def _speeds(hw: HardwareSpec, rates: Any, precision: str, attention: str, profile: TimeProfile) -> Speeds:
     if rates is not None and (rates.device == "cpu") == bool(hw.gpu.is_cpu):
         try:
             return measured_speeds(rates, hw, precision, attention, profile)

@@ -17,6 +17,8 @@ from memfit.engines import EngineCost
 from memfit.methods import METHODS
 from memfit.methods.base import Traffic, weight_tensors
 from memfit.spec.hardware import HardwareSpec
+from memfit.spec.strategy import Strategy
+from memfit.steptime.constants import TimeProfile
 from memfit.spec.model import ModelSpec
 from memfit.steptime.comm import collective_calls, comm_parts, exposed_comm, fsdp2_copy_bytes
 from memfit.steptime.cpu import mmap_threshold, step_fresh_bytes
@@ -25,11 +27,12 @@ from memfit.steptime.host import step_host_seconds
 from memfit.steptime.loop import optimizer_seconds, trainer_loop_ops
 from memfit.steptime.layer import micro_work, shape_for
 from memfit.steptime.price import device_for, price
-from memfit.steptime.speeds import speeds_for
+from memfit.steptime.speeds import Speeds, speeds_for
 from memfit.steptime.work import extra_work
 
 
-def _meft_seconds(model: ModelSpec, st: Any, p: Any, sp: Any, traffic: Traffic, rows: float, cpu: bool) -> float:
+def _meft_seconds(model: ModelSpec, st: Strategy, p: TimeProfile, sp: Speeds, traffic: Traffic, rows: float,
+                  cpu: bool) -> float:
     """MEFT's own time per step: its rows moved (overlapped by ``meft_overlap``), the CPU's expert search and the
     CPU Adam update of the rows used."""
     ga = st.grad_accum
@@ -41,8 +44,8 @@ def _meft_seconds(model: ModelSpec, st: Any, p: Any, sp: Any, traffic: Traffic, 
     return moved * (1.0 - p.meft_overlap) + cpu_search + cpu_update
 
 
-def _host_link(model: ModelSpec, st: Any, p: Any, sp: Any, adapted: frozenset, p_t: float, n: int, g_comm: float,
-               w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float, float]:
+def _host_link(model: ModelSpec, st: Strategy, p: TimeProfile, sp: Speeds, adapted: frozenset, p_t: float, n: int,
+               g_comm: float, w_comm: float, gather_bytes: float, fsdp: bool, cpu: bool) -> tuple[float, float, float]:
     """(offload seconds, upload seconds, bytes) over the host link per step: offload's gradients down and
     weights up (overlapped by ``overlap_offload``), offloaded parameters per gather, and the method's blocking
     uploads (e.g. BOFT's permutation every forward)."""
@@ -76,11 +79,12 @@ class StepInputs:
     prompt_tokens: int = 0       # virtual tokens a prompt-learning method puts before every sequence (PEFT's
     #                              prompt tuning concatenates them to the input embeddings: every layer, the
     #                              attention and the head process seq_len + these; the tokens counted stay seq_len)
+    reduce_bucket: float = 0.0   # DeepSpeed's reduce bucket, elements (its config: reduce_bucket_size)
     grad_b: float = 4.0          # bytes of a gradient value the optimizer reads (Setup.optimizer_dtypes)
     adam_scale: float = 1.0      # AdamW's bytes per value relative to fp32 (Setup.optimizer_dtypes)
 
 
-def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs) -> dict[str, Any]:
+def step_time(model: ModelSpec, hw: HardwareSpec, st: Strategy, p: TimeProfile, w: StepInputs) -> dict[str, Any]:
     """The ``time`` object of the estimate (seconds per optimizer step, by part, with its basis) and the
     traffic and floor it implies: ``{"time": ..., "traffic": ..., "floor_seconds": ...}``."""
     engine, p_t, adapted, gather_bytes = w.engine, w.p_t, w.adapted, w.gather_bytes
@@ -113,7 +117,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Any, p: Any, w: StepInputs
     comm_s = 0.0
     if cbytes:
         calls = collective_calls(engine, model.layers, cbytes, ga, st.gradient_checkpointing,
-                                 tensors_t, p_t, p.zero_reduce_bucket_per_h2 * model.hidden ** 2, fsdp, no_sync)
+                                 tensors_t, p_t, w.reduce_bucket, fsdp, no_sync)
         comm_s = sum(b * (n - 1) / n / sp.bus(op) for op, b in parts.items()) + calls * sp.collective_latency
     copies_s = 0.0
     if fsdp and n > 1 and sp.gpu is not None and getattr(st, "fsdp_version", 2) == 2:  # FSDP2's copy-in / -out
