@@ -84,6 +84,17 @@ def _strategy_options() -> dict[str, Any]:
         loss=typer.Option(None, "--loss", help="standard | chunked (output projection + cross-entropy over "
                           "token chunks, recomputed in backward: no full [tokens, vocab] logits).",
                           rich_help_panel=S),
+        sequence_parallel=typer.Option(None, "--sequence-parallel", help="Ulysses: ranks sharing one sequence "
+                                       "(DeepSpeed ZeRO; 1: off). plan: search only this degree.",
+                                       rich_help_panel=S),
+        context_parallel=typer.Option(None, "--context-parallel", help="torch context parallelism: ranks "
+                                      "sharing one sequence (FSDP2, CUDA; 1: off). plan: search only this degree.",
+                                      rich_help_panel=S),
+        activation_offload=typer.Option(None, "--activation-offload", help="none | checkpointed (the "
+                                        "checkpointed layers' inputs in CPU memory) | all (every saved tensor).",
+                                        rich_help_panel=S),
+        tiled_mlp=typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="DeepSpeed's TiledMLP: the MLP in "
+                               "sequence tiles (ZeRO).", rich_help_panel=S),
     )
 
 
@@ -356,7 +367,8 @@ def _with_strategy_flags(fn: Any) -> Any:
     sig = inspect.signature(fn, eval_str=True)
     kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
              "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool,
-             "lora_rslora": bool, "fsdp_sync_each_batch": bool, "hf_legacy_checkpoint": bool}
+             "lora_rslora": bool, "fsdp_sync_each_batch": bool, "hf_legacy_checkpoint": bool, "sequence_parallel": int,
+             "context_parallel": int, "tiled_mlp": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

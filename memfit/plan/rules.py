@@ -69,12 +69,74 @@ def _fsdp_version(model: Any, hw: Any, s: Strategy) -> str | None:
     return None
 
 
+def _sequence_parallel(model: Any, hw: Any, s: Strategy) -> str | None:
+    """Ulysses (deepspeed 0.19.8 runtime/sequence_parallel/ulysses_sp.py UlyssesSPAttentionHF, through accelerate
+    1.15's ParallelismConfig with sp_backend='deepspeed')."""
+    n = s.sequence_parallel
+    if n == 1:
+        return None
+    if not s.zero_stage:
+        return (f"sequence_parallel={n}: Ulysses runs under DeepSpeed ZeRO only (accelerate's sp_backend="
+                "'deepspeed'); set zero_stage=1, 2 or 3")
+    if s.attention == "eager":
+        return (f"sequence_parallel={n} with attention=eager: Ulysses does not take eager attention (its 4D mask "
+                "is O(seq²); ulysses_sp.py); use attention=sdpa or fa2")
+    if hw.world_size % n:
+        return (f"sequence_parallel={n} does not divide the {hw.world_size} processes: use a divisor of "
+                f"{hw.world_size}")
+    if model.heads % n:
+        return (f"sequence_parallel={n}: {model.name}'s {model.heads} attention heads are not divisible by {n} "
+                "(each rank computes heads / N of them); use a divisor of the head count")
+    if model.kv_heads % n and n % model.kv_heads:
+        return (f"sequence_parallel={n}: {model.name}'s {model.kv_heads} key/value heads neither divide by {n} "
+                "nor divide it (Ulysses shards or replicates them); use a divisor or multiple of the KV heads")
+    if s.seq_len % n:
+        return f"sequence_parallel={n}: seq_len={s.seq_len} is not divisible by {n}; pad to a multiple of {n}"
+    return None
+
+
+def _context_parallel(model: Any, hw: Any, s: Strategy) -> str | None:
+    """torch.distributed.tensor.experimental.context_parallel through accelerate 1.15 (cp_backend='torch'): FSDP2
+    only; it intercepts the CUDA flash and memory-efficient SDPA kernels; the sequence is split into 2N chunks
+    (load balancing of the causal mask)."""
+    n = s.context_parallel
+    if n == 1:
+        return None
+    if not s.fsdp or s.fsdp_version != 2:
+        return f"context_parallel={n}: torch's context parallelism runs with FSDP2 only; set fsdp and fsdp_version=2"
+    if hw.gpu.is_cpu or s.attention == "eager":
+        return (f"context_parallel={n}: torch intercepts only the CUDA flash / memory-efficient attention kernels; "
+                "use attention=sdpa or fa2 on CUDA GPUs")
+    if hw.world_size % n:
+        return (f"context_parallel={n} does not divide the {hw.world_size} processes: use a divisor of "
+                f"{hw.world_size}")
+    if s.seq_len % (2 * n):
+        return (f"context_parallel={n}: seq_len={s.seq_len} is not divisible by {2 * n} (2 x N load-balanced "
+                f"chunks); pad to a multiple of {2 * n}")
+    return None
+
+
+def _activation_offload(model: Any, hw: Any, s: Strategy) -> str | None:
+    if s.activation_offload == "checkpointed" and not s.gradient_checkpointing:
+        return ("activation_offload=checkpointed moves the checkpointed layers' inputs: it needs "
+                "gradient_checkpointing=true (or use activation_offload=all)")
+    return None
+
+
+def _tiled_mlp(model: Any, hw: Any, s: Strategy) -> str | None:
+    if s.tiled_mlp and not s.zero_stage:
+        return ("tiled_mlp: DeepSpeed's TiledMLP is installed under DeepSpeed ZeRO only; set zero_stage=1, 2 or 3 "
+                "(or tiled_mlp=false)")
+    return None
+
+
 def _method(model: Any, hw: Any, s: Strategy) -> list[str]:
     """The method's own rules (memfit.methods: LoRA targets, QLoRA storage, MEFT engines and CPU store)."""
     return METHODS[s.method].rules(model, hw, s)
 
 
-RULES: tuple[Rule, ...] = (_attention, _precision, _offload, _fsdp_version)
+RULES: tuple[Rule, ...] = (_attention, _precision, _offload, _fsdp_version, _sequence_parallel, _context_parallel,
+                           _activation_offload, _tiled_mlp)
 
 
 def check(model: Any, hardware: Any, strategy: Strategy) -> list[str]:

@@ -115,7 +115,9 @@ def rule_key(s: Strategy) -> tuple:
     """The fields the rules read (everything but lengths, batch and checkpointing). Keep in step with
     memfit.plan.rules: a rule that reads another field must add it here."""
     return (s.method, s.zero_stage, s.fsdp, s.offload, s.attention, s.optimizer, s.precision, s.quant_storage,
-            s.lora_targets, s.meft_neurons, s.meft_top_k)
+            s.lora_targets, s.meft_neurons, s.meft_top_k, s.fsdp_version, s.sequence_parallel, s.context_parallel,
+            s.activation_offload, s.tiled_mlp, s.gradient_checkpointing if s.activation_offload != "none" else None,
+            s.seq_len if s.sequence_parallel > 1 or s.context_parallel > 1 else None)
 
 
 def _rank_key(est: Any) -> tuple:

@@ -22,6 +22,7 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 Loss = Literal["standard", "chunked"]
+ActivationOffload = Literal["none", "checkpointed", "all"]
 
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
@@ -30,6 +31,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
 FSDP_MODES: tuple[str, ...] = ("full_shard", "shard_grad_op")
 FSDP_VERSIONS: tuple[int, ...] = (1, 2)
 LOSSES: tuple[str, ...] = ("standard", "chunked")
+ACTIVATION_OFFLOADS: tuple[str, ...] = ("none", "checkpointed", "all")
 # loss=chunked: tokens per chunk of the output projection + cross-entropy (memfit.train.loss). 256 rows keep
 # the head's matmuls near compute-bound on GPUs (a 16-bit weight read once per 256 tokens) while one chunk's
 # logits stay 256 x vocab (128k vocab: 394 MB at 12 B per logit instead of 12 B x tokens x vocab).
@@ -76,6 +78,20 @@ class Levers(BaseModel):
     seq_len: int = Field(512, ge=1)
     loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
                        "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
+    # long context (docs/long-context.md)
+    sequence_parallel: int = Field(1, ge=1, description="Ulysses sequence parallelism: ranks that share one "
+                                   "sequence, each holding seq_len / N of its tokens (an all-to-all around attention "
+                                   "swaps sequence shards for head shards); DeepSpeed ZeRO through accelerate's "
+                                   "ParallelismConfig(sp_size=N). 1: off")
+    context_parallel: int = Field(1, ge=1, description="context parallelism: ranks that share one sequence, keys and "
+                                  "values exchanged around attention (torch's context_parallel through accelerate's "
+                                  "ParallelismConfig(cp_size=N), FSDP2 only). 1: off")
+    activation_offload: ActivationOffload = Field("none", description="checkpointed: the checkpointed layers' inputs "
+                                                  "kept in CPU memory (transformers' activation_checkpointing_enable("
+                                                  "offload=True)); all: every tensor saved for backward (torch's "
+                                                  "autograd.graph.save_on_cpu)")
+    tiled_mlp: bool = Field(False, description="the MLP computed in sequence tiles of hidden_size tokens and "
+                            "recomputed tile by tile in backward (DeepSpeed's TiledMLP)")
 
 
 class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
@@ -125,6 +141,10 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
                 f"offload={self.offload!r} is done by DeepSpeed ZeRO or FSDP: set zero_stage>=1 "
                 "or fsdp, or use offload='none'"
             )
+        if self.sequence_parallel > 1 and self.context_parallel > 1:
+            raise ValueError(f"sequence_parallel={self.sequence_parallel} and context_parallel="
+                             f"{self.context_parallel}: accelerate runs one of the two (ParallelismConfig); set the "
+                             "other to 1")
         if (self.method == "peft") != (self.peft_config is not None):
             raise ValueError("method=peft reads a peft_config (a mapping of PEFT config keys, or the path of an "
                              "adapter_config.json) and no other method does: set both or neither")
@@ -154,4 +174,12 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
             parts.append("no-sync")
         if self.loss != "standard":
             parts.append(f"{self.loss}-ce")
+        if self.sequence_parallel > 1:
+            parts.append(f"sp{self.sequence_parallel}")
+        if self.context_parallel > 1:
+            parts.append(f"cp{self.context_parallel}")
+        if self.activation_offload != "none":
+            parts.append(f"act-offload:{self.activation_offload}")
+        if self.tiled_mlp:
+            parts.append("tiled-mlp")
         return "+".join(parts)
