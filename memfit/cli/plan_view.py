@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.cli.output import console, err_console, print_json  # noqa: F401  (print_json re-exported)
@@ -103,6 +104,8 @@ def summary_table(d: dict, hardware: Any) -> Table:
         keys += ["quant_storage"]
     if s.get("method") == "meft":
         keys += ["meft_neurons", "meft_top_k"]
+    keys += [k for k, off in (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
+                              ("tiled_mlp", False)) if s.get(k, off) != off]  # the long-context levers in use
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
@@ -134,7 +137,7 @@ def _show(v: Any) -> str:
     return str(v)
 
 
-def show_estimate(result: Any, hardware: Any) -> None:
+def show_estimate(result: Any, hardware: Any, notes: list = ()) -> None:
     d = result.to_dict()
     console.print(summary_table(d, hardware))
     console.print(_memory_table(d, hardware))
@@ -142,6 +145,8 @@ def show_estimate(result: Any, hardware: Any) -> None:
     console.print(f"{verdict} (keeping {result.margin:.0%} free)")
     for r in d.get("reasons", []):
         console.print(f"  - {r}")
+    for n in notes:  # e.g. memfit.spec.context's note: RoPE past its trained length
+        console.print(f"[yellow]note:[/yellow] {escape(n)}")
 
 
 def candidates_table(candidates: list, top: int, hardware: Any) -> Table:
@@ -230,7 +235,10 @@ def show_matrix(m: Any, png: Any = None) -> None:
     console.print(t)
     console.print("[dim]✗ = nothing fits; ×2n = needs two nodes; Z1/Z2/Z3 = DeepSpeed ZeRO stage; GC = gradient "
                   "checkpointing; Off = optimizer offload to CPU, OffP = + parameters; CCE = chunked cross-entropy "
-                  "(--loss chunked); attention is SDPA unless FA2/eager is shown.[/dim]")
+                  "(--loss chunked); attention is SDPA unless FA2/eager is shown. Long-context levers, tried only "
+                  "where nothing fits without them (so a cell naming one lies beyond the frontier without them): "
+                  "SPn = Ulysses over n GPUs, CPn = context parallelism, AO = activation offload, TM = tiled MLP."
+                  "[/dim]")
     if png is not None:
         console.print(f"wrote {png}")
 

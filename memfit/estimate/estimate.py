@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memfit.estimate import cuda as CU
+from memfit.estimate import longctx as LC
 from memfit.steptime import step as T
 from memfit.estimate.constants import Profile
 from memfit.estimate.host import cpu_lines, verdict
@@ -40,7 +41,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed."""
     profile = profile_for(profile, model, strategy, activation_formula, distributed, margin)
     method = METHODS[strategy.method]
-    run = Setup(model, hardware, strategy, profile, method)
+    # sequence / context parallelism: each rank runs seq_len / N tokens of a sample (memfit.estimate.longctx)
+    run = Setup(model, hardware, LC.local(strategy), profile, method)
     gpu = run.gpu
 
     # ---- what is trained, what is frozen, at what storage (the method's own terms) -----------------
@@ -53,7 +55,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- activations, logits, the method's tensors; the engine's buffers ---------------------------
     backend = CU.sdpa_backend(gpu, model, run.precision, strategy.attention)  # the kernel SDPA runs on this GPU
     attention = CU.attention_for_memory(backend, strategy.attention)
-    saved = saved_tensors(run, params, attention)
+    lc = LC.long_context(run, saved_tensors(run, params, attention), strategy.seq_len)
+    saved = lc.saved
     adapter = saved.adapter
     bufs = engine_buffers(run, params, states.weights_all)
     step_temp = step_temporaries(run, params, bufs.step_temp)
@@ -90,14 +93,18 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- CPU RAM per node -------------------------------------------------------------------------
     cpu, steady = cpu_lines(run, states, adapter.host)
+    if lc.host:  # offloaded activations in pinned host memory, while training
+        cpu["offloaded_activations"] = hardware.gpus_per_node * lc.host
+        steady += cpu["offloaded_activations"]
+        cpu["total"] = cpu["process_baseline"] + max(steady, cpu["model_loading"])
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
-    timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
+    timed = T.step_time(model, hardware, run.strategy, profile, T.StepInputs(
         engine=run.engine, p_t=params.trainable, tensors=params.tensors, adapted=params.adapted,
         gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
         g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
         reduce_bucket=profile.zero_reduce_bucket_per_h2 * model.hidden ** 2,
-        meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic,
+        meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic, offload_bytes=lc.moved,
         fp32_stream=bool(params.fp32_stream), prompt_tokens=method.prompt_tokens(model, strategy),
         **run.optimizer_dtypes()))
 

@@ -41,6 +41,15 @@ def short_label(strategy: Any) -> str:
         parts.append(_OFFLOAD[strategy.offload])
     if getattr(strategy, "loss", "standard") == "chunked":
         parts.append("CCE")
+    # the long-context levers: a cell that needs one lies beyond the frontier without them (memfit.plan.longctx)
+    if strategy.sequence_parallel > 1:
+        parts.append(f"SP{strategy.sequence_parallel}")
+    if strategy.context_parallel > 1:
+        parts.append(f"CP{strategy.context_parallel}")
+    if strategy.activation_offload != "none":
+        parts.append("AO" if strategy.activation_offload == "checkpointed" else "AOall")
+    if strategy.tiled_mlp:
+        parts.append("TM")
     return "+".join(parts)
 
 

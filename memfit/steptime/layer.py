@@ -15,8 +15,8 @@ from memfit.engines import EngineCost
 from memfit.methods import METHODS
 from memfit.spec.model import ModelSpec
 from memfit.steptime.host import MODULES_PER_LAYER_EXTRA
-from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Gemm, Kernels, Linear,
-                                 Router, Sync, Tensors, Work)
+from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Exchange, Gemm, HostCopy,
+                                 Kernels, Linear, Router, Sync, Tensors, Work)
 from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_cached, extra_work, kbit_cast_bytes,
                                   lora_elementwise_bytes, method_gemms, method_work, ops_per_layer, per_model)
 
@@ -47,6 +47,15 @@ class Shape:
     method: str               # the run's method and PEFT config: its LayerWork (memfit.steptime.work.extra_work)
     peft_config: object
     precision: str
+    sequence_parallel: int = 1  # Ulysses: ranks sharing each sequence (the shape is one rank's share)
+    context_parallel: int = 1   # torch's context parallelism, likewise
+    group_in_node: bool = True  # that group sits in one node
+    offload_per_token: float = 0.0  # activations offloaded per local token (memfit.estimate.longctx)
+    tiled_mlp: bool = False     # DeepSpeed's TiledMLP: the MLP's forward once more, in its backward
+
+# the attention block's linears (any other decoder-layer linear is the MLP's: the tiled MLP recomputes those)
+ATTENTION_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "query_key_value", "dense", "c_attn",
+                               "attn.c_proj", "qkv_proj", "out_proj"})
 
 
 def _method_ops(model: ModelSpec, sh: Shape, st) -> tuple[list, float]:
@@ -78,7 +87,8 @@ def _ops(model: ModelSpec, sh: Shape, st) -> tuple:
     L, h, V, gc, e = model.layers, model.hidden, model.vocab, sh.recompute, sh.e
     f = 2.0 if gc else 1.0
     se = 4.0 if sh.fp32_stream else e  # the values the layer's elementwise work moves
-    ops: list = [Linear(x.in_features, x.out_features, x.active, L * x.count, f, sh.trains_base, e)
+    ops: list = [Linear(x.in_features, x.out_features, x.active, L * x.count,
+                        f + (1.0 if sh.tiled_mlp and x.name not in ATTENTION_LINEARS else 0.0), sh.trains_base, e)
                  for x in model.linears]
     ops.append(Linear(h, V, 1.0, 1.0, 2.0 if sh.redo_head else 1.0, sh.trains_base, e))  # the head, not recomputed
     shapes = tuple((x.in_features, x.out_features, x.count * x.active) for x in model.linears if x.name in sh.adapted)
@@ -94,7 +104,9 @@ def _ops(model: ModelSpec, sh: Shape, st) -> tuple:
         ops.append(Router(sh.router))
     method, extra_ops = _method_ops(model, sh, st)
     ops += method
-    ops.append(Attention(model.heads, model.head_dim, model.q_dim, L, sh.eager, gc, e))
+    context = sh.sequence_parallel * sh.context_parallel
+    ops.append(Attention(model.heads, model.head_dim, model.q_dim, L, sh.eager, gc, e, context))
+    ops += _sequence_ops(model, sh)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
     ops.append(Bytes(L * elementwise_cached(model, se) * fwd, size_per_token=h * se))
     if shapes:  # PEFT's LoRA linears outside their matmuls; their dropout's forward apart
@@ -120,6 +132,27 @@ def _ops(model: ModelSpec, sh: Shape, st) -> tuple:
     return tuple(ops)
 
 
+def _sequence_ops(model: ModelSpec, sh: Shape) -> list:
+    """The sequence group's collectives and the offloaded activations' copies (memfit.estimate.longctx says
+    what each engine does): Ulysses' four all-to-alls per layer and pass (q, k, v, the output; their gradients
+    in the backward), a KV head replicated where the group outnumbers them; context parallelism's all-gather
+    of the whole sequence's keys and values per layer and pass, and the reduce-scatter of their gradients."""
+    ops: list = []
+    L, e, passes = model.layers, sh.e, 2.0 + (1.0 if sh.recompute else 0.0)
+    if sh.sequence_parallel > 1:
+        n = sh.sequence_parallel
+        kv = max(model.kv_dim, model.head_dim * n) if n > model.kv_heads else model.kv_dim
+        ops.append(Exchange("all_to_all", L * passes * (2 * model.q_dim + 2 * kv) * e, L * passes * 4.0, n,
+                            sh.group_in_node))
+    if sh.context_parallel > 1:
+        n = sh.context_parallel
+        ops.append(Exchange("all_gather", L * (passes + 1.0) * n * 2 * model.kv_dim * e, L * (passes + 1.0) * 2.0,
+                            n, sh.group_in_node))
+    if sh.offload_per_token:
+        ops.append(HostCopy(sh.offload_per_token))
+    return ops
+
+
 def _engine_hooks(model: ModelSpec, sh: Shape) -> EngineHooks:
     """The engine's host work per micro-batch: FSDP's hooks per wrapped unit (decoder layers + the embedding +
     the tail), DeepSpeed ZeRO-1/2's gradient hooks per trainable tensor, ZeRO-3's fetch / release per submodule
@@ -137,13 +170,15 @@ def micro_work(model: ModelSpec, sh: Shape, st) -> Work:
     method's ``extra_layer_work`` reads)."""
     key = (sh.recompute, sh.eager, sh.e, sh.trains_base, sh.adapted, sh.lora_r, sh.dropout, sh.fp32_adapters,
            sh.fp32_stream, sh.quantized, sh.meft_rows, sh.router, sh.chunked_loss, sh.redo_head, sh.fsdp,
-           sh.zero_grad_hooks, sh.zero3_hooks, sh.method, sh.peft_config, sh.precision)
+           sh.zero_grad_hooks, sh.zero3_hooks, sh.method, sh.peft_config, sh.precision, sh.sequence_parallel,
+           sh.context_parallel, sh.group_in_node, sh.offload_per_token, sh.tiled_mlp)
     ops = per_model(("ops", id(model)) + key, model, lambda: _ops(model, sh, st))
     return Work(sh.batch, sh.seq, ops, (id(model),) + key)
 
 
 def shape_for(model: ModelSpec, st, e: float, adapted: frozenset, meft_rows: float, router: float,
-              fp32_stream: bool, engine: EngineCost, grad_tensors: float) -> Shape:
+              fp32_stream: bool, engine: EngineCost, grad_tensors: float, group_in_node: bool = True,
+              offloaded: float = 0.0) -> Shape:
     """The micro-batch's :class:`Shape` from the strategy, the engine's record and what the memory side
     resolved. The engine's gradient hooks run per trainable tensor every micro-batch where it reduces every
     micro-batch (ZeRO-2), else once per step: a 1/accumulation share each (ZeRO-1)."""
@@ -155,4 +190,5 @@ def shape_for(model: ModelSpec, st, e: float, adapted: frozenset, meft_rows: flo
                  method.trains_base, adapted, st.lora_r, st.lora_dropout > 0, st.precision in ("bf16", "fp32"),
                  fp32_stream, method.quantized, meft_rows, router, chunked, chunked and engine.loss_recomputes_head,
                  engine.unit_hooks, hooks, engine.module_fetch_hooks, st.method, getattr(st, "peft_config", None),
-                 st.precision)
+                 st.precision, st.sequence_parallel, st.context_parallel, group_in_node,
+                 offloaded / (float(st.micro_batch_size) * st.seq_len), st.tiled_mlp)

@@ -8,7 +8,8 @@ memfit.steptime.micro.
 from __future__ import annotations
 
 from memfit.steptime.cpu import fresh_bytes, mmap_threshold
-from memfit.steptime.ops import Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Gemm, Linear, Router, Tensors
+from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Exchange, Gemm, HostCopy,
+                                 Linear, Router, Tensors)
 from memfit.steptime.speeds import Speeds
 from memfit.steptime.work import RECOMPUTE_DISPATCH
 
@@ -61,12 +62,25 @@ class MeasuredDevice:
         """Forward + backward at the measured rate, + the forward again under checkpointing at its measured
         share; eager attention's products and the work on its b·H·s² scores apart where calibrated."""
         sp, gc = self.sp, op.recompute
-        attn_fb = 12.0 * b * s * s * op.q_dim * op.layers
+        s = s * op.context  # a sequence shared by N ranks: each attends heads / N over the whole length
+        attn_fb = 12.0 * b * s * s * op.q_dim / op.context * op.layers
         if op.eager and sp.eager_bmm:
-            scores = float(b) * op.heads * s * s
+            scores = float(b) * op.heads / op.context * s * s
             return attn_fb / sp.eager_bmm_rate(op.head_dim) * (1.0 + (1.0 / 3.0 if gc else 0.0)) + op.layers * \
                 scores * sp.score_seconds(scores * op.e) * (1.0 + (sp.eager_scores_forward_share if gc else 0.0))
         return attn_fb / sp.attention_rate(s, op.head_dim) * (1.0 + (sp.attention_forward_share if gc else 0.0))
+
+    def exchange(self, op: Exchange, tokens: float) -> float:
+        sp, n = self.sp, float(op.group)
+        return tokens * op.per_token * (n - 1.0) / n / sp.bus(op.kind) + op.calls * sp.collective_latency
+
+    def host_copy(self, op: HostCopy, tokens: float) -> float:
+        """A CPU has no device to leave: the pack hook copies each tensor within RAM (read + write), the
+        unpack hands it back as is; a calibrated GPU copies over its measured link."""
+        nbytes = tokens * op.per_token
+        if not self.sp.overlap_dispatch:  # a CPU
+            return 2.0 * nbytes / self.sp.bandwidth
+        return nbytes / self.sp.d2h + nbytes / self.sp.h2d
 
     def bytes(self, op: Bytes, tokens: float) -> float:
         return (tokens * op.per_token + op.fixed) / self.sp.bandwidth

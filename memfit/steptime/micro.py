@@ -30,8 +30,8 @@ class CatalogGpu:
     overlap = True  # kernels run while the host dispatches
     timeline = True  # collectives hide behind its device seconds (memfit.steptime.comm.exposed_comm)
 
-    def __init__(self, g: GpuRates, profile) -> None:
-        self.g, self.p = g, profile
+    def __init__(self, g: GpuRates, profile, sp) -> None:
+        self.g, self.p, self.sp = g, profile, sp  # sp: the pool's links (memfit.steptime.speeds.Speeds)
         self._linear: dict = {}
 
     def linear(self, op: Linear, tokens: float) -> float:
@@ -54,12 +54,26 @@ class CatalogGpu:
         return count * self.g.gemm_kernel_seconds
 
     def attention(self, op: Attention, b: float, s: float) -> float:
+        """By length (a sequence shared by N ranks: heads / N over N x the local length)."""
         p, g = self.p, self.g
         redo = 1.0 + (p.attention_forward_share if op.recompute else 0.0)
+        heads, s = op.heads / op.context, s * op.context
         if op.eager:
-            prod, scores = eager_seconds(b, op.heads, s, op.head_dim, g, op.e, p.eager_score_bytes)
+            prod, scores = eager_seconds(b, heads, s, op.head_dim, g, op.e, p.eager_score_bytes)
             return op.layers * (prod + scores) * redo
-        return op.layers * fused_seconds(b, op.heads, s, op.head_dim, g, p.mem_efficient_attention_fraction) * redo
+        return op.layers * fused_seconds(b, heads, s, op.head_dim, g, p.mem_efficient_attention_fraction) * redo
+
+    def exchange(self, op, tokens: float) -> float:
+        """The group's collective at its link: NVLink / PCIe within a node, else the pool's bus."""
+        sp = self.sp
+        bus = sp.bus_intra if op.intra_node and sp.bus_intra else sp.bus(op.kind)
+        n = float(op.group)
+        return tokens * op.per_token * (n - 1.0) / n / bus + op.calls * sp.collective_latency
+
+    def host_copy(self, op, tokens: float) -> float:
+        """Device -> host in the forward, host -> device in the backward, over PCIe."""
+        nbytes = tokens * op.per_token
+        return nbytes / self.sp.d2h + nbytes / self.sp.h2d
 
     def bytes(self, op: Bytes, tokens: float) -> float:
         return (tokens * op.per_token + op.fixed) / self.g.bandwidth(tokens * op.size_per_token + op.size)

@@ -74,9 +74,12 @@ class Attention:
     eager: bool
     recompute: bool
     e: float
+    context: int = 1  # ranks sharing each sequence: each attends its share (heads / N over the whole sequence
+    #                   under Ulysses; its queries over all keys under context parallelism) of N x the local length
 
     def flops(self, batch: float, seq: float) -> float:
-        return 4.0 * batch * seq * seq * self.q_dim * self.layers * (4.0 if self.recompute else 3.0)
+        full = seq * self.context
+        return 4.0 * batch * full * full * self.q_dim / self.context * self.layers * (4.0 if self.recompute else 3.0)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,27 @@ class EngineHooks:
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """A collective among the ranks sharing each sequence, on the critical path: ``per_token`` bytes per local
+    token of each rank's buffer, ``calls`` launches per micro-batch, over a group of ``group`` ranks (each sends
+    (N - 1) / N of its buffer); ``intra_node``: the group sits in one node."""
+
+    kind: str          # all_to_all (Ulysses) | all_gather (context parallelism's keys and values)
+    per_token: float
+    calls: float
+    group: int
+    intra_node: bool
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """Offloaded activations: ``per_token`` bytes per local token copied device -> host in the forward and back
+    in the backward, on the compute stream (transformers' offload, torch's save_on_cpu): waited for."""
+
+    per_token: float
+
+
+@dataclass(frozen=True)
 class Sync:
     """Host synchronisations with the device (e.g. FourierFT's uploads), in module-level host ops over all
     layers: the host waits, and the device waits for the host after it."""
@@ -172,7 +196,8 @@ class Tensors:
     chunked_loss: bool
 
 
-Op = Union[Linear, Gemm, Router, Attention, Bytes, Dropout, Dequant, Kernels, Dispatch, EngineHooks, Sync, Tensors]
+Op = Union[Linear, Gemm, Router, Attention, Bytes, Dropout, Dequant, Kernels, Dispatch, EngineHooks, Sync, Tensors,
+           Exchange, HostCopy]
 
 
 @dataclass(frozen=True)
@@ -199,6 +224,8 @@ class MicroBatch(NamedTuple):
     memory_bound_seconds: float
     dequant_seconds: float
     dispatch_seconds: float
+    exchange_seconds: float  # the sequence group's collectives (Ulysses, context parallelism)
+    copy_seconds: float      # offloaded activations' copies
     dense_flops: float
     attention_flops: float
     adapter_flops: float

@@ -14,8 +14,8 @@ from typing import Union
 from memfit.steptime.measured import MeasuredDevice
 from memfit.steptime.micro import CatalogGpu
 from memfit.steptime.speeds import Speeds
-from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Gemm, Kernels, Linear,
-                                 MicroBatch, Router, Sync, Tensors, Work)
+from memfit.steptime.ops import (Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Exchange, Gemm, HostCopy,
+                                 Kernels, Linear, MicroBatch, Router, Sync, Tensors, Work)
 from memfit.steptime.work import _PER_MODEL
 from memfit.steptime.constants import TimeProfile
 
@@ -33,7 +33,8 @@ def device_for(sp: Speeds, profile: TimeProfile) -> Device:
     if hit is None or hit[0] is not sp or hit[1] is not profile:
         if len(_DEVICES) > 256:
             _DEVICES.clear()
-        hit = _DEVICES[key] = (sp, profile, CatalogGpu(sp.gpu, profile) if sp.gpu is not None else MeasuredDevice(sp))
+        hit = _DEVICES[key] = (sp, profile, CatalogGpu(sp.gpu, profile, sp) if sp.gpu is not None
+                               else MeasuredDevice(sp))
     return hit[2]
 
 
@@ -52,7 +53,7 @@ def price(work: Work, device: Device) -> MicroBatch:
 
 def _price(work: Work, dev: Device) -> MicroBatch:
     T, b, s = work.tokens, float(work.batch), float(work.seq)
-    matmul = attn = mem = dequant = host = serial = 0.0
+    matmul = attn = mem = dequant = host = serial = exchange = copies = 0.0
     dense = adapter = attn_flops = 0.0
     for op in work.ops:
         kind = type(op)
@@ -89,12 +90,17 @@ def _price(work: Work, dev: Device) -> MicroBatch:
             host, serial = host + on_host, serial + waited
         elif kind is Sync:
             serial += dev.sync(op.ops)
+        elif kind is Exchange:
+            exchange += dev.exchange(op, T)
+        elif kind is HostCopy:
+            copies += dev.host_copy(op, T)
         else:
             raise TypeError(f"no price for {kind.__name__}")
     device = matmul + attn + mem + dequant
-    seconds = (max(device, host) if dev.overlap else device + host) + serial
-    return MicroBatch(seconds, device if dev.timeline else 0.0, matmul, attn, mem, dequant, host + serial, dense,
-                      attn_flops, adapter)
+    # the sequence group's collectives and the activations' copies wait on the compute stream
+    seconds = (max(device, host) if dev.overlap else device + host) + serial + exchange + copies
+    return MicroBatch(seconds, device if dev.timeline else 0.0, matmul, attn, mem, dequant, host + serial, exchange,
+                      copies, dense, attn_flops, adapter)
 
 
 def clear_caches() -> None:

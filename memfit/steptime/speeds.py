@@ -81,6 +81,7 @@ class Speeds:
     first_touch: float = 0.0  # CPU: seconds per byte of a fresh (mmapped) tensor's first touch; 0 = not counted
     dropout_value: float = 0.0  # CPU: seconds per value of a dropout forward (its random draws); 0 = by its bytes
     bus_by_op: tuple = ()  # ((primitive, bus bytes/s), ...) measured besides the all-reduce
+    bus_intra: float = 0.0  # bus bytes/s among the GPUs of one node (a group inside a node); 0: bus_bandwidth
     adam_mid: tuple = ()  # (tensor values, seconds per parameter) for cache-sized tensors, where calibrated
     adam_size: float = 0.0  # the tensor size ``adam_per_param`` was measured at
     cpu_flash: bool = False  # SDPA runs torch's CPU flash kernel: its block layout sets the work (cpu_flash_work)
@@ -291,13 +292,16 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Ti
     if not gpu.is_cpu and not device_kind(gpu.name).p2p:  # no peer-to-peer: NCCL's SHM path through host memory
         bus = min(bus, gpu.pcie_bandwidth * p.shm_bus_fraction)
     pcie = gpu.pcie_bandwidth * p.pcie_efficiency
+    intra = gpu.intra_node_bandwidth * p.intra_node_efficiency
+    if not gpu.is_cpu and not device_kind(gpu.name).p2p:
+        intra = min(intra, gpu.pcie_bandwidth * p.shm_bus_fraction)
     return Speeds(
         basis=GPU_PARTS if g else UNCALIBRATED, gemm_small=large * p.gemm_small_fraction, gemm_large=large,
         width_small=p.gemm_small_width, width_large=p.gemm_large_width,
         gemm_skinny=large * p.gemm_skinny_fraction, attention=((1.0, att),), bandwidth=bw, op_seconds=op_s,
         overlap_dispatch=not gpu.is_cpu, adam_per_param=adam, adam_per_tensor=op_s, cpu_adam_per_param=cpu_adam,
         bus_bandwidth=bus, collective_latency=p.collective_latency_seconds, h2d=pcie, d2h=pcie,
-        dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager", gpu=g)
+        dequant=bw / 2.5, peak=peak, cpu_flash=gpu.is_cpu and attention != "eager", gpu=g, bus_intra=intra)
 
 
 def speeds_for(hw: HardwareSpec, precision: str, attention: str, profile: TimeProfile) -> Speeds:

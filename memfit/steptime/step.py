@@ -80,6 +80,7 @@ class StepInputs:
     #                              prompt tuning concatenates them to the input embeddings: every layer, the
     #                              attention and the head process seq_len + these; the tokens counted stay seq_len)
     reduce_bucket: float = 0.0   # DeepSpeed's reduce bucket, elements (its config: reduce_bucket_size)
+    offload_bytes: float = 0.0   # activations copied to the host per micro-batch (memfit.estimate.longctx)
     grad_b: float = 4.0          # bytes of a gradient value the optimizer reads (Setup.optimizer_dtypes)
     adam_scale: float = 1.0      # AdamW's bytes per value relative to fp32 (Setup.optimizer_dtypes)
 
@@ -96,8 +97,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Strategy, p: TimeProfile, 
     sp = speeds_for(hw, prec, st.attention, p)
     e = 4.0 if prec == "fp32" else 2.0
     tensors_t = w.tensors
-    work = micro_work(model, shape_for(model, shape, e, adapted, meft_rows, w.router, fp32_stream, engine, tensors_t),
-                      shape)
+    group = st.sequence_parallel * st.context_parallel  # ranks sharing each sequence (st: one rank's share)
+    work = micro_work(model, shape_for(model, shape, e, adapted, meft_rows, w.router, fp32_stream, engine, tensors_t,
+                                       group <= hw.gpus_per_node, w.offload_bytes), shape)
     mb = price(work, device_for(sp, p))
     off_opt = st.offload != "none"
     local = p_t / (n if shard_o else 1)
@@ -145,6 +147,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, st: Strategy, p: TimeProfile, 
             "attention_seconds": ga * mb.attention_seconds,
             "memory_bound_seconds": ga * mb.memory_bound_seconds, "dequant_seconds": ga * mb.dequant_seconds,
             "dispatch_seconds": ga * mb.dispatch_seconds, "optimizer_seconds": optim_s,
+            "sequence_exchange_seconds": ga * mb.exchange_seconds, "activation_copy_seconds": ga * mb.copy_seconds,
             "trainer_seconds": trainer_s, "trainer_ops": trainer_ops, "comm_seconds": comm_s,
             "comm_exposed_seconds": exposed,
             "offload_seconds": offload_s, "upload_seconds": upload_s, "cpu_optimizer_seconds": cpu_opt_s,
