@@ -26,7 +26,8 @@ ROOT = HERE.parent
 MEMORY = ROOT / "memfit" / "estimate" / "published_accuracy.json"
 TIME = ROOT / "memfit" / "steptime" / "published_time_accuracy.json"
 H200 = HERE / "results" / "gpu_time_check_h200_2026-11-30_third.json"
-FILES = ("README.md", "docs/estimator.md", "docs/gpu-time.md", "docs/methods.md")
+FILES = ("README.md", "docs/estimator.md", "docs/gpu-time.md", "docs/methods.md", "docs/long-context.md")
+LONG_CONTEXT = ROOT / "bench" / "results" / "long_context.json"  # bench/long_context.py --json
 BLOCK = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /figures:(?P=name) -->", re.S)
 LABEL = {"held_out": "held out", "development": "development", "in_sample": "in-sample"}
 
@@ -176,7 +177,23 @@ def readings(side: str):
     return render
 
 
-RENDER = {"memory-bar": memory_bar, "time-bar": time_bar, "h200-time": h200_time, "memory-kinds": memory_kinds,
+def long_context(mem: dict, time: dict) -> str:
+    """The long-context bench's summary against the issue's targets (bench/results/long_context.json)."""
+    d = json.loads(LONG_CONTEXT.read_text())
+    f, t = d["figures"], d["targets"]
+    names = (("memory_median_abs_pct", "per-GPU memory, median \\|error\\|"),
+             ("memory_max_abs_pct", "per-GPU memory, max \\|error\\|"),
+             ("longest_median_abs_pct", "longest length memfit calls fitting, median \\|error\\|"),
+             ("tokens_per_s_median_abs_pct", "tokens/s, median |error|"))
+    lines = ["| figure | memfit | target |", "|---|---|---|"]
+    lines += [f"| {label} | {f[k]:.1f} % | <= {t[k]:.0f} % |" for k, label in names]
+    return ("\n".join(lines) + f"\n\n{d['stated']} of {d['rows']} published figures stated, {d['not_stated']} not "
+            f"(each with its reason); basis: memory {d['basis']['memory']}, time {d['basis']['time']} (the mapping "
+            "was decided seeing these rows).\n")
+
+
+RENDER = {"long-context": long_context,
+          "memory-bar": memory_bar, "time-bar": time_bar, "h200-time": h200_time, "memory-kinds": memory_kinds,
           "memory-groups": memory_groups, "memory-groups-in-sample": memory_groups_in_sample,
           "time-groups": time_groups, "time-kinds": time_kinds, "peft-bars": peft_bars,
           "memory-readings": readings("memory"), "time-readings": readings("time")}
