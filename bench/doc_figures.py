@@ -184,7 +184,7 @@ def long_context(mem: dict, time: dict) -> str:
     names = (("memory_median_abs_pct", "per-GPU memory, median \\|error\\|"),
              ("memory_max_abs_pct", "per-GPU memory, max \\|error\\|"),
              ("longest_median_abs_pct", "longest length memfit calls fitting, median \\|error\\|"),
-             ("tokens_per_s_median_abs_pct", "tokens/s, median |error|"))
+             ("tokens_per_s_median_abs_pct", "tokens/s, median \\|error\\|"))
     lines = ["| figure | memfit | target |", "|---|---|---|"]
     lines += [f"| {label} | {f[k]:.1f} % | <= {t[k]:.0f} % |" for k, label in names]
     return ("\n".join(lines) + f"\n\n{d['stated']} of {d['rows']} published figures stated, {d['not_stated']} not "
