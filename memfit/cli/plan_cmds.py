@@ -12,6 +12,7 @@ import typer
 
 from memfit.errors import ConfigError, IncompatibleError
 from memfit.methods import METHODS
+from memfit.spec import context
 
 M = "Model and hardware"
 S = "Strategy (one flag per key)"
@@ -203,10 +204,11 @@ def estimate_cmd(
     result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula)
     if result.rule_reasons:
         raise IncompatibleError(" Also: ".join(result.rule_reasons))
+    notes = [n for n in [context.note(spec, seq_len)] if n]  # RoPE past its trained length
     if json_:
-        plan_view.print_json(result.to_dict())
+        plan_view.print_json({**result.to_dict(), "notes": notes})
     else:
-        plan_view.show_estimate(result, hw)
+        plan_view.show_estimate(result, hw, notes)
 
 
 def plan_cmd(

@@ -13,9 +13,15 @@ from typing import Any, Callable
 
 from memfit.methods import METHODS
 from memfit.methods.base import matched_linears
+from memfit.spec import context
 from memfit.spec.strategy import Strategy
 
 Rule = Callable[[Any, Any, Strategy], "str | None"]
+
+
+def _context(model: Any, hw: Any, s: Strategy) -> str | None:
+    """Learned absolute positions end at their table (memfit.spec.context; RoPE past its length: a note)."""
+    return context.refusal(model, s.seq_len)
 
 
 def _attention(model: Any, hw: Any, s: Strategy) -> str | None:
@@ -135,8 +141,8 @@ def _method(model: Any, hw: Any, s: Strategy) -> list[str]:
     return METHODS[s.method].rules(model, hw, s)
 
 
-RULES: tuple[Rule, ...] = (_attention, _precision, _offload, _fsdp_version, _sequence_parallel, _context_parallel,
-                           _activation_offload, _tiled_mlp)
+RULES: tuple[Rule, ...] = (_context, _attention, _precision, _offload, _fsdp_version, _sequence_parallel,
+                           _context_parallel, _activation_offload, _tiled_mlp)
 
 
 def check(model: Any, hardware: Any, strategy: Strategy) -> list[str]:

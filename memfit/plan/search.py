@@ -17,6 +17,7 @@ from memfit.methods import METHODS
 from memfit.plan import rules
 from memfit.plan.single import check_margin
 from memfit.plan.space import enumerate_strategies, make_strategy
+from memfit.spec import context
 from memfit.spec.strategy import Strategy
 
 
@@ -111,13 +112,15 @@ def short_reason(est: Any, hardware: Any) -> str:
     return " and ".join(parts) or "; ".join(est.reasons)
 
 
-def rule_key(s: Strategy) -> tuple:
+def rule_key(s: Strategy, model: Any = None) -> tuple:
     """The fields the rules read (everything but lengths, batch and checkpointing). Keep in step with
-    memfit.plan.rules: a rule that reads another field must add it here."""
+    memfit.plan.rules: a rule that reads another field must add it here. The length counts for a model with
+    learned positions (memfit.spec.context), passed as ``model``."""
     return (s.method, s.zero_stage, s.fsdp, s.offload, s.attention, s.optimizer, s.precision, s.quant_storage,
             s.lora_targets, s.meft_neurons, s.meft_top_k, s.fsdp_version, s.sequence_parallel, s.context_parallel,
             s.activation_offload, s.tiled_mlp, s.gradient_checkpointing if s.activation_offload != "none" else None,
-            s.seq_len if s.sequence_parallel > 1 or s.context_parallel > 1 else None)
+            s.seq_len if s.sequence_parallel > 1 or s.context_parallel > 1 else None,
+            s.seq_len if model is not None and context.positions(model).kind == "learned" else None)
 
 
 def _rank_key(est: Any) -> tuple:
@@ -166,7 +169,7 @@ def plan(
         fixed=fixed,
     ):
         tried += 1
-        key = rule_key(strategy)
+        key = rule_key(strategy, model)
         reasons = rule_memo.get(key)
         if reasons is None:
             reasons = rule_memo[key] = rules.check(model, hardware, strategy)
@@ -278,7 +281,8 @@ def explain_plan(p: Plan) -> list[str]:
         groups = Counter(r.reasons[0] for r in p.rejected if r.kind == "rule")
         for reason, count in groups.most_common(2):
             why.append(f"Ruled out ({count} combinations): {reason}")
-    return why
+    long = context.note(p.model, p.search_args.get("seq_len", 0))  # RoPE past its trained length
+    return why + ([long] if long else [])
 
 
 def bigger_pools(hardware: Any) -> list[Any]:

@@ -80,6 +80,16 @@ class RunSpec(BaseModel):
     training: TrainingSpec = TrainingSpec()
     distributed: DistributedSpec = DistributedSpec()
     output_dir: str = Field("runs/memfit", description="folder for the run's files")
+    rope_scaling: Optional[dict[str, Any]] = Field(None, description="RoPE scaling applied to the model's config "
+                                                   "(replaces its own), e.g. {rope_type: yarn, factor: 4.0}; "
+                                                   "memfit.spec.context")
+
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _rope_scaling(cls, v: Any) -> Any:
+        from memfit.spec.context import check_rope_scaling
+
+        return check_rope_scaling(v)
 
     @field_validator("output_dir", mode="before")
     @classmethod
@@ -244,6 +254,8 @@ def dump_run(run: RunSpec) -> str:
     import yaml
 
     data = run.model_dump(mode="json")
+    if data.get("rope_scaling") is None:  # written only when set
+        data.pop("rope_scaling", None)
     data["strategy"]["lora_targets"] = list(run.strategy.lora_targets)
     for key in ("lora_modules_to_save", "lora_rank_pattern", "lora_alpha_pattern"):  # as the run file writes them
         value = getattr(run.strategy, key)

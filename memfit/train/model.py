@@ -133,6 +133,7 @@ def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
     (default: the run's engine from :mod:`memfit.distributed.engines`)."""
     from transformers import AutoModelForCausalLM
 
+    from memfit.spec.context import rope_parameters, train_guard
     from memfit.spec.model import read_config
 
     from memfit.distributed.engines import for_run
@@ -146,15 +147,17 @@ def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None and (not isinstance(max_pos, int) or isinstance(max_pos, bool)):
         raise ConfigError(f"{cfg_path}: max_position_embeddings must be an integer, got {max_pos!r}")
-    if max_pos and s.seq_len > max_pos:
-        raise ConfigError(f"strategy.seq_len={s.seq_len} is above the model's max_position_embeddings="
-                          f"{max_pos}; use --set strategy.seq_len={max_pos} or less")
+    # learned positions end at their table (one line); RoPE past its trained length runs, with a note
+    max_pos, long = train_guard(cfg, getattr(path, "name", str(path)), s.seq_len, run.rope_scaling)
+    notes += long
     tokenizer = load_tokenizer(path) if tokenizer else None
     method = for_strategy(s)
     load_dtype, compute_dtype = load_dtypes(s, cuda=_on_cuda())
     attention = choose_attention(s.attention, notes)
     kwargs: dict[str, Any] = dict(dtype=load_dtype, attn_implementation=attention)
     kwargs.update(method.load_kwargs(run, compute_dtype, engine, local_rank, _on_cuda(), notes))
+    if run.rope_scaling:  # the run file's, as transformers 5 names it (its rope_scaling keyword drops the theta)
+        kwargs["rope_parameters"] = rope_parameters(cfg, run.rope_scaling)
     model = _load(AutoModelForCausalLM, path, kwargs)
     model.config.use_cache = False
     if s.loss == "chunked":  # on the transformers model itself, before PEFT / MEFT / engine wrapping

@@ -317,9 +317,19 @@ def test_data_mistakes(world, capsys, tmp_path):
 
 
 def test_strategy_mistakes(world, capsys, tmp_path):
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    coder = tmp_path / "coder"  # learned positions (a 64-row table): refused past them before anything loads
+    GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=300,
+                                           bos_token_id=0, eos_token_id=0)).save_pretrained(coder)
+    capsys.readouterr()  # save_pretrained's progress bar
+    line = _refused(capsys, world, ["train", _run_file(world, tmp_path, name="coder.yaml", model=str(coder)),
+                                    "--overwrite", "--set", "strategy.seq_len=96", "--set",
+                                    "strategy.lora_targets=all-linear"], "cannot run on this machine: ")
+    assert line.endswith(": strategy.seq_len=96 is above coder's n_positions=64: its positions are a learned table "
+                         "of 64 rows (nothing stretches them); use --seq-len 64 or less (run file: strategy.seq_len)")
     path = _run_file(world, tmp_path)
     for extra, needle in [
-        (["--set", "strategy.seq_len=4096"], "max_position_embeddings"),
         (["--set", "strategy.precision=fp16-mixed"], "precision=fp16-mixed on the CPU"),
         (["--set", "strategy.lora_targets=[nothing_here]"], "model has no such layer"),
     ]:

@@ -193,12 +193,45 @@ def test_bad_model_inputs(assets, tmp_path):
     (cfg_only / "config.json").write_text((assets[0] / "config.json").read_text())
     with pytest.raises(ConfigError, match="no weights"):
         build_model(run_from_dict({"model": str(cfg_only)}))
-    with pytest.raises(ConfigError, match=r"seq_len=4096 is above the model's max_position_embeddings=128"):
-        build_model(make_run(assets, tmp_path, seq_len=4096))
+    with pytest.raises(ConfigError, match=r"^strategy\.seq_len=96 is above coder's n_positions=64: its positions "
+                       r"are a learned table of 64 rows \(nothing stretches them\); use --seq-len 64 or less "
+                       r"\(run file: strategy\.seq_len\)$"):
+        build_model(make_run((_bigcode(tmp_path / "coder"), assets[1]), tmp_path, seq_len=96))
     with pytest.raises(ConfigError, match=r"lora_targets \['nope'\]: none is a linear layer.*q_proj"):
         build_model(make_run(assets, tmp_path, lora_targets=["nope"]))
     with pytest.raises(IncompatibleError, match="fp16-mixed needs a CUDA GPU"):
         build_model(make_run(assets, tmp_path, precision="fp16-mixed"))
+
+
+def _bigcode(folder: Path) -> Path:
+    """A micro GPT-BigCode (learned positions: a 64-row wpe table), weights only (refused before its tokenizer)."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=300,
+                                           bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    return folder
+
+
+def test_rope_past_its_length_loads_with_the_note_and_the_runs_rope_scaling(assets, tmp_path):
+    """#36 item 4: the micro Llama (RoPE, max_position_embeddings 128) at seq_len 512 is allowed, with the note;
+    the run file's rope_scaling reaches the loaded config."""
+    from memfit.train.model import build_model
+
+    model, _, info = build_model(make_run(assets, tmp_path, seq_len=512))
+    assert info.max_positions is None  # no length limit for the data to enforce
+    assert any(n.startswith("context: seq_len 512 is past model's trained length 128 (max_position_embeddings); "
+                            "RoPE, allowed") and "no rope_scaling in the config" in n for n in info.notes), info.notes
+    run = make_run(assets, tmp_path, overrides=["rope_scaling={rope_type: linear, factor: 4.0}"], seq_len=512)
+    model, _, info = build_model(run)
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    assert config.rope_parameters["rope_type"] == "linear" and config.rope_parameters["factor"] == 4.0
+    assert any('the run file\'s rope_scaling {"factor": 4.0, "rope_type": "linear"}' in n for n in info.notes)
+    # and trains past it: packed 256-token rows on 128 trained positions, the note in the run's notes
+    r = train(make_run(assets, tmp_path / "run", overrides=["max_steps=2", "data.packing=true",
+                                                           "rope_scaling={rope_type: linear, factor: 2.0}"],
+                       seq_len=256))
+    assert r.steps == 2 and all(loss == loss for _, loss in r.losses)
+    assert any(n.startswith("context: seq_len 256 is past model's trained length 128") for n in r.notes), r.notes
 
 
 def test_fa2_falls_back_to_sdpa_with_a_note(assets, tmp_path):
