@@ -19,6 +19,9 @@ from memfit.errors import ConfigError
 from memfit.methods import NAMES as ALL_METHODS, PLANNED
 
 SOURCES = ("preset", "folder", "config.json")
+CHOICE = "planner's choice"
+OFFLOADS = (CHOICE, "none", "checkpointed", "all")
+TILED = (CHOICE, "off", "on")
 DEFAULT_MARGIN = 0.05
 
 
@@ -41,6 +44,11 @@ class Form:
     grad_accum: Any = 1
     methods: list = field(default_factory=lambda: list(PLANNED))
     margin: Any = DEFAULT_MARGIN
+    # the long-context levers (memfit.spec.strategy): CHOICE / 0 leaves them to the planner, as `memfit plan` does
+    sequence_parallel: Any = 0           # Ulysses degree (--sequence-parallel N; 1: off)
+    context_parallel: Any = 0            # torch context parallelism (--context-parallel N; 1: off)
+    activation_offload: str = CHOICE     # none | checkpointed | all (--activation-offload)
+    tiled_mlp: str = CHOICE              # off | on (--no-tiled-mlp / --tiled-mlp)
 
 
 def whole(value: Any, name: str, low: int = 1) -> int:
@@ -132,12 +140,29 @@ def margin(form: Form) -> float:
     return value
 
 
+def levers(form: Form) -> dict[str, Any]:
+    """The long-context levers the user fixed, as ``memfit plan``'s flags fix them (strategy keys)."""
+    fixed: dict[str, Any] = {}
+    for key, name in (("sequence_parallel", "sequence parallel degree"), ("context_parallel",
+                                                                         "context parallel degree")):
+        degree = whole(getattr(form, key), f"{name} (0: the planner's choice)", low=0)
+        if degree:
+            fixed[key] = degree
+    for key, allowed in (("activation_offload", OFFLOADS), ("tiled_mlp", TILED)):
+        value = getattr(form, key) or CHOICE
+        if value not in allowed:
+            raise ConfigError(f"{key.replace('_', ' ')} {value!r}: one of {', '.join(allowed)}")
+        if value != CHOICE:
+            fixed[key] = value == "on" if key == "tiled_mlp" else value
+    return fixed
+
+
 def plan_kwargs(form: Form) -> dict[str, Any]:
     """The keyword arguments ``memfit plan`` passes to memfit.plan.search.plan for the same flags."""
     return dict(methods=methods(form), zero_stages=None, allow_offload=True,
                 seq_len=whole(form.seq_len, "sequence length"),
                 micro_batch_size=whole(form.micro_batch, "micro-batch"),
-                grad_accum=whole(form.grad_accum, "gradient accumulation"), margin=margin(form), fixed={})
+                grad_accum=whole(form.grad_accum, "gradient accumulation"), margin=margin(form), fixed=levers(form))
 
 
 def load(form: Form, workdir: Path) -> tuple[str, Any, Any]:
@@ -172,5 +197,8 @@ def command_line(form: Form, ref: str, emit_dir: str = "run-config/") -> Optiona
         args += ["--methods", ",".join(kw["methods"])]
     if kw["margin"] != DEFAULT_MARGIN:
         args += ["--margin", repr(kw["margin"])]
+    for key, value in kw["fixed"].items():  # the levers, as their flags
+        flag = "--" + key.replace("_", "-")
+        args += [flag if value else "--no-tiled-mlp"] if isinstance(value, bool) else [flag, str(value)]
     args += ["--emit", emit_dir]
     return " ".join(shlex.quote(a) for a in args)

@@ -59,7 +59,25 @@ def _pool_inputs(gr: Any) -> list:
     methods = gr.CheckboxGroup(list(NAMES), value=list(PLANNED), label="methods to consider",
                                elem_id="memfit-methods")
     margin = gr.Number(0.05, label="margin (fraction of each GPU kept free)", elem_id="memfit-margin")
-    return [gpu, count, nodes, custom, ram, seq, micro, accum, methods, margin]
+    return [gpu, count, nodes, custom, ram, seq, micro, accum, methods, margin, *_lever_inputs(gr)]
+
+
+def _lever_inputs(gr: Any) -> list:
+    """The long-context levers (memfit plan's --sequence-parallel, --context-parallel, --activation-offload,
+    --tiled-mlp); left at the planner's choice, the planner tries them where nothing fits without them."""
+    from memfit.ui.form import CHOICE, OFFLOADS, TILED
+
+    with gr.Accordion("long-context levers", open=False, elem_id="memfit-levers"):
+        with gr.Row():
+            sp = gr.Number(0, label="sequence parallel (Ulysses) GPUs (0: planner's choice, 1: off)", precision=0,
+                           minimum=0, elem_id="memfit-sequence-parallel")
+            cp = gr.Number(0, label="context parallel GPUs (0: planner's choice, 1: off)", precision=0, minimum=0,
+                           elem_id="memfit-context-parallel")
+        with gr.Row():
+            offload = gr.Dropdown(list(OFFLOADS), value=CHOICE, label="activation offload",
+                                  elem_id="memfit-activation-offload")
+            tiled = gr.Dropdown(list(TILED), value=CHOICE, label="tiled MLP", elem_id="memfit-tiled-mlp")
+    return [sp, cp, offload, tiled]
 
 
 def _plan_outputs(gr: Any) -> list:

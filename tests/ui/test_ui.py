@@ -46,6 +46,11 @@ CASES = {
                                 seq_len=1024, micro_batch=2, grad_accum=4, methods=["lora", "qlora"],
                                 margin=0.1),
     "deepspeed": dict(preset="llama-2-13b", gpu="V100-32GB", count=8, seq_len=512, methods=["full"]),
+    # the long-context levers (#36), fixed on the page as --sequence-parallel / --activation-offload / --tiled-mlp
+    "long-context levers": dict(preset="llama-3.1-8b", gpu="H100-80GB", count=8, seq_len=262144,
+                                sequence_parallel=8, activation_offload="checkpointed", tiled_mlp="on"),
+    "context parallel": dict(preset="llama-3.1-8b", gpu="H100-80GB", count=8, seq_len=131072,
+                             context_parallel=4, tiled_mlp="off"),
 }
 
 
@@ -75,6 +80,18 @@ def test_page_equals_plan_json_and_emit(case, tmp_path, capsys):
     used = first[~first["component"].isin(["free", "margin"])]["GB"].sum()
     assert used == pytest.approx(rec["memory"]["gpu_bytes"]["total"] / 1e9, rel=1e-9)
     assert out.runner_ups["s/step"].iloc[0] == round(rec["time"]["step_seconds"], 4)
+
+
+def test_the_levers_reach_the_command_and_the_rope_note_the_page(tmp_path):
+    out = handlers.plan_page(tmp_path, *values(**CASES["long-context levers"]), files=False)
+    assert out.command.endswith("--seq-len 262144 --batch-size 1 --sequence-parallel 8 --activation-offload "
+                                "checkpointed --tiled-mlp --emit run-config/")
+    rec = out.plan["recommended"]["strategy"]
+    assert (rec["sequence_parallel"], rec["activation_offload"], rec["tiled_mlp"]) == (8, "checkpointed", True)
+    assert out.plan["why"][-1].startswith("context: seq_len 262144 is past llama-3.1-8b's trained length 131072")
+    assert "trained length 131072" in out.text  # shown under Why
+    assert "--context-parallel 4 --no-tiled-mlp" in handlers.plan_page(
+        tmp_path, *values(**CASES["context parallel"]), files=False).command
 
 
 def test_run_yaml_reads_back_with_memfits_loader(tmp_path):
@@ -121,6 +138,13 @@ BAD = {
     "no method": (dict(methods=[]), "error: methods: tick at least one"),
     "negative CPU RAM": (dict(cpu_ram_gb=-4), "error: CPU RAM -4: must be more than 0 GB"),
     "no GPU kind": (dict(gpu=""), "error: GPU: pick a GPU kind"),
+    "negative SP degree": (dict(sequence_parallel=-1), "error: sequence parallel degree (0: the planner's choice) "
+                           "-1: must be a whole number of at least 0"),
+    "unknown offload": (dict(activation_offload="some"), "error: activation offload 'some': one of planner's "
+                        "choice, none, checkpointed, all"),
+    "learned positions past their table": (dict(preset="santacoder", seq_len=4096),
+                                           "error: no combination can run here: strategy.seq_len=4096 is above "
+                                           "santacoder's n_positions=2048"),
 }
 
 

@@ -227,6 +227,13 @@ def test_plan_page_in_a_browser(server, browser):
     assert "Traceback" not in browser.page_source
     type_into(browser, "memfit-seq-len", "2048")
     wait_for(lambda: headline(browser) == expected and not text_of(browser, "memfit-message"))
+    # a long-context lever (#36): the accordion opened, Ulysses over the 2 GPUs, as --sequence-parallel 2
+    browser.find_element(By.CSS_SELECTOR, "#memfit-levers button").click()
+    type_into(browser, "memfit-sequence-parallel", "2")
+    with_sp = headline_of(cli_plan("--model", "llama-3.1-8b", "--gpus", "2xRTX4090-24GB", "--seq-len", "2048",
+                                   "--sequence-parallel", "2"))
+    wait_for(lambda: headline(browser) == with_sp)
+    assert "+sp2" in with_sp and "--sequence-parallel 2" in text_of(browser, "memfit-command")
 
 
 def test_report_page_in_a_browser(server, browser):
