@@ -129,7 +129,9 @@ def reasons(run: RunSpec) -> list[str]:
     """Every reason this launch cannot run ``run``; [] when it can."""
     world, local_world = launched_world()
     cuda = _cuda_devices()
-    out = world_reasons(run, world, local_world, cuda) + planning_only(run)
+    from memfit.distributed.parallelism import reasons as parallelism_reasons
+
+    out = world_reasons(run, world, local_world, cuda) + planning_only(run) + parallelism_reasons(run)
     out += engine_reasons(run, cpu=cuda == 0)
     s = run.strategy
     if cuda and s.zero_stage and s.offload != "none" and s.optimizer == "adamw":

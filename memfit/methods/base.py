@@ -76,8 +76,12 @@ def weight_tensors(model: ModelLike) -> float:
     return float(model.layers * per_layer + 2 + (0 if model.tie_embeddings else 1))
 
 
-def enable_checkpointing(model: Any) -> None:
-    if hasattr(model, "activation_checkpointing_enable"):
+def enable_checkpointing(model: Any, offload: bool = False) -> None:
+    """Non-reentrant checkpointing of every decoder layer; ``offload``: the checkpointed layers' inputs in pinned
+    host memory (transformers/modeling_utils.py:3160-3167; CUDA only: memfit.train.longctx)."""
+    if offload:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=GC_KWARGS, offload=True)
+    elif hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=GC_KWARGS)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)

@@ -216,6 +216,10 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
     model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
+    from memfit.train.longctx import install, offload_callback
+
+    levers = install(run, model)  # activation offload, tiled MLP (sequence / context parallelism: the engine's)
+    info.notes.extend(levers.notes)
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
@@ -224,6 +228,8 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
         run, tokenizer, info.max_positions, vocab if isinstance(vocab, int) else None)
     stats = StepStats()
     cbs: list = [stats]
+    if run.strategy.activation_offload != "none":
+        cbs.append(offload_callback(levers))  # before the writer: act_offload_bytes on each train log line
     metrics_path = out / METRICS_FILE
     method = for_strategy(run.strategy)
     optimizer = method.optimizer(model, run.training)  # None: the Trainer's own (MEFT: its CPU AdamW)
@@ -240,6 +246,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
         cbs.append(MetricsWriter(metrics_path))
     cbs.extend(callbacks)
     trainer = build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, out, callbacks=cbs, optimizer=optimizer)
+    trainer.step_context = levers.step_context
     state["trainer"] = trainer
     set_collective_timeout(run.distributed.timeout_s)  # a dead or hung peer ends every rank in bounded time
     watch_job(where())  # across nodes too: a rank still alive after the job ended elsewhere ends

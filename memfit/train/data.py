@@ -352,15 +352,21 @@ class Collator:
     """Right-pads a batch; pads get label -100. Packed rows keep position_ids and carry no attention mask
     (transformers then builds a per-example causal mask from the position_ids)."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: Optional[int] = None):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: Optional[int] = None, positions: bool = False,
+                 width: Optional[int] = None, mask: bool = True):
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
+        self.width = width  # every batch padded to this many tokens (Ulysses over gloo: equal gather shapes)
+        self.positions = positions  # position_ids on every batch (Ulysses needs them, ulysses_sp.py:666)
+        self.mask = mask  # False: no padding mask (sequence / context parallelism: causal attention only)
 
     def __call__(self, features: Iterable[dict[str, Any]]) -> dict:
         import torch
 
         features = list(features)
         width = max(len(f["input_ids"]) for f in features)
+        if self.width:
+            width = max(width, self.width)
         if self.multiple:
             width = -(-width // self.multiple) * self.multiple
         packed = "position_ids" in features[0]
@@ -378,5 +384,8 @@ class Collator:
         if packed:
             batch["position_ids"] = torch.tensor(pos)
         else:
-            batch["attention_mask"] = torch.tensor(mask)
+            if self.positions:
+                batch["position_ids"] = torch.arange(width).expand(len(ids), width).clone()
+            if self.mask:
+                batch["attention_mask"] = torch.tensor(mask)
         return batch

@@ -19,11 +19,15 @@ class MemfitTrainer(AtomicCheckpointMixin, Trainer):
     training micro-batch's (rows, padded length) to ``batch_sink`` (a shape read: no device sync)."""
 
     batch_sink: Optional[Callable[[int, int], None]] = None
+    step_context: Optional[Callable[[], Any]] = None  # activation_offload=all: save_on_cpu (memfit.train.longctx)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids = inputs.get("input_ids") if self.batch_sink is not None and hasattr(inputs, "get") else None
         if ids is not None and getattr(ids, "ndim", 0) == 2:
             self.batch_sink(int(ids.shape[0]), int(ids.shape[1]))
+        if self.step_context is not None:  # forward, loss and backward: what the forward saves is packed
+            with self.step_context():
+                return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
 
 
@@ -77,16 +81,40 @@ def training_arguments(run, output_dir: Path, has_eval: bool, engine: Any) -> Tr
     return TrainingArguments(**kwargs)
 
 
+def collator(run, tokenizer):
+    """Right-padding collator. Sequence and context parallelism split each row's tokens over N ranks: every batch
+    carries position_ids, no padding mask (pads sit after every real token and are labelled -100, so under the
+    causal mask they change no loss) and a width divisible by the split:
+    - Ulysses (N = sequence_parallel): UlyssesSPDataLoaderAdapter requires position_ids and a width divisible by
+      N (deepspeed/runtime/sequence_parallel/ulysses_sp.py:666, :707) and its attention drops any mask
+      (ulysses_sp.py:546); on the CPU every batch is padded to seq_len, because the adapter gathers each SP
+      rank's batch at its own length (ulysses_sp.py:688-692) and gloo's all_gather takes equal shapes only
+      ("ProcessGroupGloo::allgather: invalid tensor size"; NCCL takes uneven ones);
+    - torch context parallelism (N = context_parallel): 2N load-balanced chunks per row, and a mask other than
+      causal is refused (transformers/trainer.py:2457-2469)."""
+    import torch
+
+    from memfit.train.data import Collator
+
+    pad = tokenizer.pad_token_id if tokenizer is not None else 0
+    s = run.strategy
+    if s.sequence_parallel > 1:
+        sp = s.sequence_parallel
+        width = None if torch.cuda.is_available() else -(-s.seq_len // sp) * sp
+        return Collator(pad, pad_to_multiple_of=sp, positions=True, width=width, mask=False)
+    if s.context_parallel > 1:
+        return Collator(pad, pad_to_multiple_of=2 * s.context_parallel, positions=True, mask=False)
+    return Collator(pad)
+
+
 def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: Path,
                   callbacks: Sequence = (), optimizer: Optional[Any] = None) -> MemfitTrainer:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from memfit.train.data import Collator
-
     args = training_arguments(run, output_dir, has_eval=eval_ds is not None, engine=engine)
     trainer = MemfitTrainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-        data_collator=Collator(tokenizer.pad_token_id if tokenizer is not None else 0),
+        data_collator=collator(run, tokenizer),
         processing_class=tokenizer,
         callbacks=list(callbacks), optimizers=(optimizer, None),
     )

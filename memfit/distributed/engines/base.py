@@ -120,6 +120,9 @@ class Engine:
         except ImportError:  # pragma: no cover - transformers without DeepSpeed glue
             pass
         _STATE["prepared"] = False
+        from memfit.distributed.parallelism import reset_sequence_parallel
+
+        reset_sequence_parallel()  # an earlier Ulysses run's groups and attention function
         if not _STATE.get("atexit"):  # any process group this process joins (DDP's too) is left cleanly
             atexit.register(shutdown)
             _STATE["atexit"] = True

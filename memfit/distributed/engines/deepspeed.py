@@ -45,6 +45,8 @@ class DeepSpeed(Engine):
         """The DeepSpeed config for this process: this device, the model's hidden size, the launched world."""
         ds = self.config(run, device=device_kind(), hidden_size=hidden_size_of(run))
         s = run.strategy
+        # (under Ulysses the data parallelism is world / N: accelerate sets train_batch_size to that last,
+        # accelerate/accelerator.py:2359-2365, after transformers checked this one against its own, world-wide)
         ds["train_batch_size"] = s.micro_batch_size * s.grad_accum * rank_info()[2]
         return ds
 
@@ -65,6 +67,10 @@ class DeepSpeed(Engine):
         kwargs = _sharded_trainer_kwargs(self, run, output_dir)
         ds = self.process_config(run)
         kwargs.update(deepspeed=ds, bf16=ds["bf16"]["enabled"], fp16=ds["fp16"]["enabled"])
+        if run.strategy.sequence_parallel > 1:  # Ulysses, run by accelerate's DeepSpeed prepare
+            from memfit.distributed.parallelism import ulysses_config
+
+            kwargs["parallelism_config"] = ulysses_config(run)
         return kwargs
 
     # ---------------------------------------------------------------- saving

@@ -109,6 +109,11 @@ class Fsdp(Engine):
         # Trainer's no_sync (transformers trainer.py reads GradientAccumulationPlugin's sync_each_batch)
         kwargs["accelerator_config"] = {**kwargs["accelerator_config"], "gradient_accumulation_kwargs": {
             "sync_each_batch": bool(run.strategy.fsdp_sync_each_batch)}}
+        if run.strategy.context_parallel > 1:  # torch context parallelism over the FSDP2 mesh (CUDA only: the
+            from memfit.distributed.parallelism import context_config  # pre-flight refuses it elsewhere)
+            from memfit.distributed.ranks import rank_info
+
+            kwargs["parallelism_config"] = context_config(run, rank_info()[2])
         return kwargs
 
     def prepare_trainer(self, trainer: Any, run: RunSpec) -> None:
