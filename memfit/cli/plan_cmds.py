@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import typer
 
+from memfit.cli import flags
+from memfit.cli.flags import int_list, pattern, positive, str_list
 from memfit.errors import ConfigError, IncompatibleError
 from memfit.methods import METHODS
 from memfit.spec import context
@@ -30,6 +32,9 @@ MarginOpt = typer.Option(0.05, "--margin", help="Fraction of each GPU's memory k
 ProfileOpt = typer.Option(None, "--profile", help="Calibrated constants (JSON from `memfit calibrate`).",
                           rich_help_panel=M)
 JsonOpt = typer.Option(False, "--json", help="Print JSON only.", rich_help_panel=OUT)
+RopeOpt = typer.Option(None, "--rope-scaling", help="The run file's rope_scaling, e.g. '{rope_type: yarn, factor: "
+                       "4.0}': named in the note past a RoPE model's trained length (plan --emit writes it).",
+                       rich_help_panel=M)
 
 
 def _strategy_options() -> dict[str, Any]:
@@ -116,46 +121,11 @@ def _fixed_keys(**flags: Any) -> dict[str, Any]:
             if not value:
                 raise ConfigError(f"--{key.replace('_', '-')}: give comma-separated module names, e.g. q_proj,v_proj")
         if key in ("lora_rank_pattern", "lora_alpha_pattern"):
-            value = _pattern(value, f"--{key.replace('_', '-')}")
+            value = pattern(value, f"--{key.replace('_', '-')}")
         keys[key] = value
     if "peft_config" in keys:  # a PEFT config is read by method=peft only
         keys.setdefault("method", "peft")
     return keys
-
-
-def _pattern(text: str, flag: str) -> dict[str, int]:
-    """``q_proj=64,down_proj=8`` -> {'q_proj': 64, 'down_proj': 8}."""
-    out = {}
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        name, _, value = item.partition("=")
-        if not name or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"{flag} {text!r}: give module=positive integer pairs, e.g. q_proj=64,down_proj=8")
-        out[name.strip()] = int(value)
-    if not out:
-        raise ConfigError(f"{flag}: give at least one module=value pair, e.g. q_proj=64")
-    return out
-
-
-def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    if text is None:
-        return None
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated integers, e.g. 256,512,1024") from None
-    if not values:
-        raise ConfigError(f"{flag}: give at least one value")
-    return values
-
-
-def _str_list(text: Optional[str]) -> Optional[list[str]]:
-    return None if text is None else [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _positive(name: str, value: int) -> int:
-    if value < 1:
-        raise ConfigError(f"{name} {value}: must be a positive integer")
-    return value
 
 
 def _load(model: str, gpus: Optional[str], cpu_ram: Optional[str], nodes: Optional[int],
@@ -191,6 +161,7 @@ def estimate_cmd(
     activation_formula: Optional[str] = typer.Option(
         None, "--activation-formula", help="derived (default: from the model's real blocks) | korthikanti "
         "(GPT-style s·b·h·(34+5as/h), as arXiv 2406.02290 uses)", rich_help_panel=M),
+    rope_scaling: Optional[str] = RopeOpt,
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
     **strategy_flags: Any,
 ) -> None:
@@ -199,12 +170,12 @@ def estimate_cmd(
     from memfit.plan.single import estimate_one
 
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
+    notes = context.notes(spec, seq_len, flags.rope_scaling(rope_scaling))  # RoPE past its trained length
     keys = _fixed_keys(**strategy_flags)
     keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
     result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula)
     if result.rule_reasons:
         raise IncompatibleError(" Also: ".join(result.rule_reasons))
-    notes = [n for n in [context.note(spec, seq_len)] if n]  # RoPE past its trained length
     if json_:
         plan_view.print_json({**result.to_dict(), "notes": notes})
     else:
@@ -235,6 +206,7 @@ def plan_cmd(
     emit: Optional[Path] = typer.Option(None, "--emit", help="Write run.yaml (+ deepspeed.json or "
                                         "accelerate.yaml) for the recommendation into this folder.",
                                         rich_help_panel=OUT),
+    rope_scaling: Optional[str] = RopeOpt,
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
     **strategy_flags: Any,
 ) -> None:
@@ -245,7 +217,8 @@ def plan_cmd(
     if gpu is not None and gpus is not None:
         raise ConfigError("--gpu (search the count) and --gpus (a fixed pool) both given; give one")
     fixed = _fixed_keys(**strategy_flags)
-    kwargs = dict(methods=_str_list(methods), zero_stages=_int_list(zero_stages, "--zero-stages"),
+    scaling = flags.rope_scaling(rope_scaling)
+    kwargs = dict(methods=str_list(methods), zero_stages=int_list(zero_stages, "--zero-stages"),
                   allow_offload=not no_offload, seq_len=seq_len, micro_batch_size=batch_size,
                   grad_accum=grad_accum, margin=margin, fixed=fixed)
     if gpu is not None:
@@ -256,7 +229,7 @@ def plan_cmd(
         prof = _profile(profile)
         result = gpu_count_search(spec, gpu, max_gpus=max_gpus, cpu_ram=cpu_ram, price=gpu_hour_price,
                                   tokens=tokens, steps=steps, profile=prof, **kwargs)
-        written = _emit(emit, result.best.recommended, spec, model, result.best.plan.hardware, cpu_ram) \
+        written = _emit(emit, result.best.recommended, spec, model, result.best.plan.hardware, cpu_ram, scaling) \
             if emit is not None and result.best is not None else []
         if json_:
             plan_view.print_json({**result.to_dict(), "emitted": [str(p) for p in written]})
@@ -268,6 +241,9 @@ def plan_cmd(
     check_run_args(tokens, steps, gpu_hour_price)
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
     result = plan(spec, hw, profile=prof, **kwargs)
+    if scaling:  # the why's context note names the run's rope_scaling instead of the config's
+        mine, config = context.notes(spec, seq_len, scaling), context.notes(spec, seq_len)
+        result.why = [mine[0] if line in config else line for line in result.why]
     length = None
     if result.recommended is not None and (tokens or steps):
         length = run_length(result.recommended, hw.world_size, tokens=tokens, steps=steps, price=gpu_hour_price)
@@ -278,7 +254,7 @@ def plan_cmd(
         if result.recommended is None:
             raise ConfigError(f"--emit {emit}: nothing fits, so there is nothing to write; see `memfit plan` "
                               "without --emit for what is closest")
-        written = _emit(emit, result.recommended, spec, model, hw, cpu_ram)
+        written = _emit(emit, result.recommended, spec, model, hw, cpu_ram, scaling)
     if json_:
         out = result.to_dict()
         if written:
@@ -290,10 +266,16 @@ def plan_cmd(
         plan_view.show_plan(result, top=top, emitted=written, run=length)
 
 
-def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Optional[str]) -> list[Path]:
+def _emit(out: Path, est: Any, spec: Any, model_ref: str, hw: Any, cpu_ram: Optional[str],
+          scaling: Optional[dict] = None) -> list[Path]:
     from memfit.distributed.emit import emit
 
-    return emit(out, est.strategy, model_ref=model_ref, hardware=hw, cpu_ram=cpu_ram)
+    written = emit(out, est.strategy, model_ref=model_ref, hardware=hw, cpu_ram=cpu_ram)
+    if scaling:  # run.yaml carries --rope-scaling as its rope_scaling
+        from memfit.spec.run import load_run, save_run
+
+        save_run(load_run(written[0]).model_copy(update={"rope_scaling": scaling}), written[0])
+    return written
 
 
 def matrix_cmd(
@@ -335,18 +317,18 @@ def matrix_cmd(
     prof = _profile(profile)
     offloads = ("none",) if no_offload else ("none", "optimizer", "optimizer+params") if param_offload \
         else ("none", "optimizer")
-    lens = _int_list(seq_lens, "--seq-lens") or list(DEFAULT_SEQ_LENS)
+    lens = int_list(seq_lens, "--seq-lens") or list(DEFAULT_SEQ_LENS)
     for s in lens:
-        _positive("--seq-lens", s)
+        positive("--seq-lens", s)
     fixed = {k: v for k, v in (("lora_r", lora_r), ("loss", loss)) if v is not None} or None
     if png is not None:
         require("matrix --png", "plot")
     with plan_view.progress("planning the matrix", quiet=json_):
-        m = matrix(hw, _str_list(models) or DEFAULT_MODELS, lens,
-                   methods=_str_list(methods) or STUDY_METHODS, offloads=offloads,
+        m = matrix(hw, str_list(models) or DEFAULT_MODELS, lens,
+                   methods=str_list(methods) or STUDY_METHODS, offloads=offloads,
                    zero_stages=None if with_fsdp and zero_stages is None
-                   else _int_list(zero_stages, "--zero-stages") or STUDY_ZERO_STAGES,
-                   micro_batch_size=_positive("--batch-size", batch_size), margin=margin, profile=prof,
+                   else int_list(zero_stages, "--zero-stages") or STUDY_ZERO_STAGES,
+                   micro_batch_size=positive("--batch-size", batch_size), margin=margin, profile=prof,
                    fixed=fixed, max_nodes=max_nodes)
     written = None
     if png is not None:

@@ -116,10 +116,10 @@ def note(model: Any, seq_len: int, rope_scaling: Optional[dict] = None) -> Optio
     own = f"the config's rope_scaling {_text(json.loads(pos.scaling))}" if pos.scaling else \
         "no rope_scaling in the config"
     if rope_scaling:
-        return head + f"RoPE, allowed; the run file's rope_scaling {_text(rope_scaling)} replaces {own}"
+        return head + f"RoPE, allowed; the run's rope_scaling {_text(rope_scaling)} replaces {own}"
     factor = -(-seq_len * 10 // pos.trained) / 10
-    return (head + f"RoPE, allowed (the rotations past {pos.trained} are untrained); {own}; the run file's "
-            f"rope_scaling stretches them, e.g. {{rope_type: yarn, factor: {factor:g}}}")
+    return (head + f"RoPE, allowed (the rotations past {pos.trained} are untrained); {own}; rope_scaling in the "
+            f"run file (or --rope-scaling) stretches them, e.g. {{rope_type: yarn, factor: {factor:g}}}")
 
 
 def check_rope_scaling(value: Any) -> Optional[dict]:
@@ -151,11 +151,17 @@ def train_guard(cfg: dict, name: str, seq_len: int, rope_scaling: Optional[dict]
     line = refusal(spec, seq_len)
     if line:
         raise ConfigError(line)
-    if rope_scaling and pos.kind != "rope":
-        raise ConfigError(f"rope_scaling: {name} has {pos.kind} positions, no RoPE to scale; remove rope_scaling "
-                          "from the run file")
-    text = note(spec, seq_len, rope_scaling)
-    return (pos.trained if pos.kind == "learned" else None), [text] if text else []
+    return (pos.trained if pos.kind == "learned" else None), notes(spec, seq_len, rope_scaling)
+
+
+def notes(model: Any, seq_len: int, rope_scaling: Optional[dict] = None) -> list[str]:
+    """[the note] or [] for ``seq_len``; a ConfigError line when ``rope_scaling`` is given for a model without
+    RoPE (nothing to scale)."""
+    kind = positions(model).kind
+    if rope_scaling and kind != "rope":
+        raise ConfigError(f"rope_scaling: {model.name} has {kind} positions, no RoPE to scale; remove rope_scaling")
+    text = note(model, seq_len, rope_scaling)
+    return [text] if text else []
 
 
 @dataclass(frozen=True)

@@ -53,3 +53,36 @@ def test_the_rule_memo_keys_the_length_for_learned_positions_only():
     assert rules.check(coder, hw, s) == [] and rules.check(coder, hw, long) == [SANTACODER_4096]
     assert rule_key(s, llama) == rule_key(long, llama)
     assert rules.check(llama, hw, long) == rules.check(llama, hw, s)
+
+
+def test_rope_scaling_flag_names_it_and_emit_writes_it(capsys, tmp_path):
+    """--rope-scaling (the run file's rope_scaling on the command line): the note names it, plan --emit writes it
+    into run.yaml, a model without RoPE and a malformed mapping are one line."""
+    from memfit.spec.run import load_run
+
+    scaling = ['--rope-scaling', '{rope_type: yarn, factor: 2.0}']
+    code, out, err = run_cli(capsys, "plan", "--model", "llama-2-7b", "--gpus", "8xH100-80GB", "--seq-len",
+                             "8192", *scaling, "--emit", str(tmp_path / "emit"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["why"][-1] == (
+        "context: seq_len 8192 is past llama-2-7b's trained length 4096 (max_position_embeddings); RoPE, allowed; "
+        'the run\'s rope_scaling {"factor": 2.0, "rope_type": "yarn"} replaces no rope_scaling in the config')
+    code, out, err = run_cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--seq-len",
+                             "262144", "--method", "lora", *scaling, "--json")
+    assert json.loads(out)["notes"][0].endswith('the run\'s rope_scaling {"factor": 2.0, "rope_type": "yarn"} '
+                                                'replaces the config\'s rope_scaling {"factor": 8.0, "high_freq_factor"'
+                                                ': 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": '
+                                                '8192, "rope_type": "llama3"}')
+    assert load_run(tmp_path / "emit" / "run.yaml").rope_scaling == {"rope_type": "yarn", "factor": 2.0}
+    code, out, err = run_cli(capsys, "estimate", "--model", "llama-2-7b", "--gpus", "1xA100-80GB", "--seq-len",
+                             "8192", "--method", "lora", *scaling, "--json")
+    assert code == 0 and "the run's rope_scaling" in json.loads(out)["notes"][0]
+    for model, text, line in [
+        ("santacoder", scaling[1], "error: rope_scaling: santacoder has learned positions, no RoPE to scale; "
+                                   "remove rope_scaling\n"),
+        ("llama-2-7b", "yarn", "error: --rope-scaling 'yarn': must be a mapping such as {rope_type: yarn, "
+                               "factor: 4.0} (rope_type: linear, dynamic, yarn, longrope, llama3)\n"),
+        ("llama-2-7b", "{a: [1", "error: --rope-scaling '{a: [1': not YAML / JSON (expected ',' or ']', but got "
+                                 "'<stream end>'); give a mapping such as '{rope_type: yarn, factor: 4.0}'\n")]:
+        code, out, err = run_cli(capsys, "estimate", "--model", model, "--gpus", "1xA100-80GB", "--rope-scaling", text)
+        assert (code, err) == (2, line)

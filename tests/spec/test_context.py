@@ -15,8 +15,8 @@ SANTACODER_4096 = ("strategy.seq_len=4096 is above santacoder's n_positions=2048
 LLAMA31_NOTE = ("context: seq_len 524288 is past llama-3.1-8b's trained length 131072 (max_position_embeddings); "
                 "RoPE, allowed (the rotations past 131072 are untrained); the config's rope_scaling "
                 '{"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, '
-                '"original_max_position_embeddings": 8192, "rope_type": "llama3"}; the run file\'s rope_scaling '
-                "stretches them, e.g. {rope_type: yarn, factor: 4}")
+                '"original_max_position_embeddings": 8192, "rope_type": "llama3"}; rope_scaling in the run file '
+                "(or --rope-scaling) stretches them, e.g. {rope_type: yarn, factor: 4}")
 
 
 def test_learned_positions_are_refused_past_the_table():
@@ -38,7 +38,7 @@ def test_rope_past_its_length_is_a_note_with_rope_scaling():
     plain = resolve_model("llama-2-7b")  # no rope_scaling in its config
     assert "no rope_scaling in the config" in context.note(plain, 8192)
     mine = context.note(plain, 8192, {"rope_type": "linear", "factor": 2.0})
-    assert mine.endswith('the run file\'s rope_scaling {"factor": 2.0, "rope_type": "linear"} replaces no '
+    assert mine.endswith('the run\'s rope_scaling {"factor": 2.0, "rope_type": "linear"} replaces no '
                          "rope_scaling in the config")
     # transformers 5 writes rope_parameters with rope_type default: that is no scaling
     assert context.config_scaling({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}) is None
@@ -67,7 +67,8 @@ def test_train_guard_and_rope_parameters():
     with pytest.raises(ConfigError, match=r"^strategy\.seq_len=4096 is above santacoder's n_positions=2048"):
         context.train_guard(coder, "santacoder", 4096, None)
     assert context.train_guard(coder, "santacoder", 2048, None) == (2048, [])
-    with pytest.raises(ConfigError, match="rope_scaling: santacoder has learned positions, no RoPE to scale"):
+    with pytest.raises(ConfigError, match="^rope_scaling: santacoder has learned positions, no RoPE to scale; "
+                                          "remove rope_scaling$"):
         context.train_guard(coder, "santacoder", 1024, {"rope_type": "linear", "factor": 2.0})
     llama = preset_config("llama-3.1-8b")
     limit, notes = context.train_guard(llama, "llama-3.1-8b", 524288, None)

@@ -225,7 +225,7 @@ def test_rope_past_its_length_loads_with_the_note_and_the_runs_rope_scaling(asse
     model, _, info = build_model(run)
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     assert config.rope_parameters["rope_type"] == "linear" and config.rope_parameters["factor"] == 4.0
-    assert any('the run file\'s rope_scaling {"factor": 4.0, "rope_type": "linear"}' in n for n in info.notes)
+    assert any('the run\'s rope_scaling {"factor": 4.0, "rope_type": "linear"}' in n for n in info.notes)
     # and trains past it: packed 256-token rows on 128 trained positions, the note in the run's notes
     r = train(make_run(assets, tmp_path / "run", overrides=["max_steps=2", "data.packing=true",
                                                            "rope_scaling={rope_type: linear, factor: 2.0}"],
