@@ -226,6 +226,8 @@ def plan_cmd(
         from memfit.spec.model import resolve_model
 
         spec = resolve_model(model)
+        if context.refusal(spec, seq_len):  # the rules' _context holds at every count: refused once
+            raise IncompatibleError(context.refusal(spec, seq_len))
         prof = _profile(profile)
         result = gpu_count_search(spec, gpu, max_gpus=max_gpus, cpu_ram=cpu_ram, price=gpu_hour_price,
                                   tokens=tokens, steps=steps, profile=prof, **kwargs)

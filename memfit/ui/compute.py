@@ -120,5 +120,9 @@ def gpu_counts(form: Form, workdir: Path, max_gpus: int = 8, price: Optional[flo
     if price is not None and price < 0:
         raise ConfigError(f"GPU-hour price {price:g}: must be 0 or more")
     spec = resolve_model(model_ref(form, workdir))
+    from memfit.spec.context import refusal
+
+    if refusal(spec, plan_kwargs(form)["seq_len"]):  # as `memfit plan --gpu`: refused once, not at every count
+        raise IncompatibleError(refusal(spec, plan_kwargs(form)["seq_len"]))
     return gpu_count_search(spec, form.gpu, max_gpus=max_gpus, cpu_ram=gb_text(form.cpu_ram_gb, "CPU RAM"),
                             price=price, tokens=tokens, **plan_kwargs(form))

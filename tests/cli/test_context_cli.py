@@ -22,6 +22,9 @@ def test_estimate_and_plan_refuse_santacoder_past_its_positions(capsys):
     assert err == f"error: {SANTACODER_4096}\n"
     code, out, err = run_cli(capsys, "plan", "--model", "santacoder", "--seq-len", "4096", "--gpus", "1xA100-80GB")
     assert code == 2 and err == f"error: no combination can run here: {SANTACODER_4096}\n"
+    code, out, err = run_cli(capsys, "plan", "--model", "santacoder", "--seq-len", "4096", "--gpu", "A100-80GB",
+                             "--max-gpus", "2")
+    assert code == 2 and err == f"error: {SANTACODER_4096}\n"
     code, out, _ = run_cli(capsys, "estimate", "--model", "santacoder", "--seq-len", "2048", "--gpus",
                            "1xA100-80GB", "--method", "lora", "--json")
     assert code == 0 and json.loads(out)["notes"] == []

@@ -204,6 +204,8 @@ def test_matrix_and_gpu_count_tables_equal_the_cli(tmp_path, capsys):
     assert list(counts["cost"]) == [round(r["cost"], 2) for r in rows]
     assert counts["GPUs"][counts["best"] == "▶"].tolist() == [json.loads(stdout)["best_gpus"]]
     assert handlers.count_page(tmp_path, 0, None, None, *values())[0].startswith("error: largest GPU count 0")
+    coder = handlers.count_page(tmp_path, 2, None, None, *values(preset="santacoder", seq_len=4096))[0]
+    assert coder.startswith("error: strategy.seq_len=4096 is above santacoder's n_positions=2048")
 
 
 def make_run(folder: Path) -> Path:
