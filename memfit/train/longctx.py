@@ -36,12 +36,17 @@ class OffloadCount:
 
     tensors: int = 0
     bytes: int = 0
-    parameter_bytes: int = 0   # of ``bytes``, tensors that are parameters (weights saved by a matmul)
+    weight_bytes: int = 0      # of ``bytes``, weights (a parameter or a view of one: a linear saves W^T for the
+    #                            gradient of its input), as storage shared with the model's parameters tells
     unpacked: int = 0
-    per_step: list = field(default_factory=list)  # bytes packed in each optimizer step (callback)
+    per_step: list = field(default_factory=list)  # (bytes, weight_bytes) packed in each optimizer step (callback)
+    storages: set = field(default_factory=set)  # the parameters' storage addresses (install)
 
     def reset(self) -> None:
-        self.tensors = self.bytes = self.parameter_bytes = self.unpacked = 0
+        self.tensors = self.bytes = self.weight_bytes = self.unpacked = 0
+
+    def watch(self, model: Any) -> None:
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
 
 
 def offload_hooks(count: OffloadCount, pin_memory: bool) -> Any:
@@ -58,8 +63,9 @@ def offload_hooks(count: OffloadCount, pin_memory: bool) -> Any:
                 n = tensor.numel() * tensor.element_size()
                 count.tensors += 1
                 count.bytes += n
-                if isinstance(tensor, torch.nn.Parameter):
-                    count.parameter_bytes += n
+                if isinstance(tensor, torch.nn.Parameter) or (
+                        count.storages and tensor.untyped_storage().data_ptr() in count.storages):
+                    count.weight_bytes += n
                 return pack(tensor)
 
             def counted_unpack(packed: Any) -> torch.Tensor:
@@ -164,6 +170,8 @@ def install(run: Any, model: Any) -> Levers:
     s = run.strategy
     cuda = torch.cuda.is_available()
     levers = Levers()
+    if s.activation_offload != "none":
+        levers.count.watch(model)
     if s.activation_offload == "checkpointed":
         offload_checkpointed(model, levers.count, cuda)
         if not cuda:
@@ -181,7 +189,8 @@ def install(run: Any, model: Any) -> Levers:
 
 
 def offload_callback(levers: Levers) -> Any:
-    """A TrainerCallback adding ``act_offload_bytes`` (bytes packed per optimizer step, this process) to the logs."""
+    """A TrainerCallback adding ``act_offload_bytes`` (bytes packed per optimizer step, this process) and
+    ``act_offload_weight_bytes`` (of those, weights: ``save_on_cpu`` copies every weight a matmul saves) to the logs."""
     from transformers import TrainerCallback
 
     count = levers.count
@@ -191,10 +200,10 @@ def offload_callback(levers: Levers) -> Any:
             count.reset()
 
         def on_step_end(self, args, state, control, **kw):
-            count.per_step.append(count.bytes)
+            count.per_step.append((count.bytes, count.weight_bytes))
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs is not None and "loss" in logs and count.per_step:
-                logs["act_offload_bytes"] = count.per_step[-1]
+                logs["act_offload_bytes"], logs["act_offload_weight_bytes"] = count.per_step[-1]
 
     return OffloadBytes()

@@ -19,12 +19,13 @@ class MemfitTrainer(AtomicCheckpointMixin, Trainer):
     training micro-batch's (rows, padded length) to ``batch_sink`` (a shape read: no device sync)."""
 
     batch_sink: Optional[Callable[[int, int], None]] = None
+    sequence_shards: int = 1  # strategy.sequence_parallel: the adapter hands each rank 1/N of each row
     step_context: Optional[Callable[[], Any]] = None  # activation_offload=all: save_on_cpu (memfit.train.longctx)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids = inputs.get("input_ids") if self.batch_sink is not None and hasattr(inputs, "get") else None
-        if ids is not None and getattr(ids, "ndim", 0) == 2:
-            self.batch_sink(int(ids.shape[0]), int(ids.shape[1]))
+        if ids is not None and getattr(ids, "ndim", 0) == 2:  # under Ulysses a rank holds 1/N of the row
+            self.batch_sink(int(ids.shape[0]), int(ids.shape[1]) * self.sequence_shards)
         if self.step_context is not None:  # forward, loss and backward: what the forward saves is packed
             with self.step_context():
                 return super().training_step(model, inputs, num_items_in_batch)
@@ -121,6 +122,7 @@ def build_trainer(run, engine, model, tokenizer, train_ds, eval_ds, output_dir: 
     # memfit shows its own progress; the Trainer's printer would dump every log dict.
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
+    trainer.sequence_shards = run.strategy.sequence_parallel
     trainer.batch_sink = next((cb.record_batch for cb in callbacks if hasattr(cb, "record_batch")), None)
     engine.prepare_trainer(trainer, run)  # before the Trainer wraps the model (FSDP1: PEFT's wrap policy)
     return trainer
