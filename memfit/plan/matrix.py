@@ -114,6 +114,7 @@ def matrix(
     profile: Any = None,
     fixed: Optional[dict[str, Any]] = None,
     max_nodes: Optional[int] = None,
+    long_context: bool = True,
 ) -> Matrix:
     """Plan every (model, seq_len) cell on ``hardware``; cells that do not fit retry on more nodes."""
     from memfit.spec.model import resolve_model
@@ -126,7 +127,7 @@ def matrix(
     result = Matrix(hardware=hardware, models=[s.name for s in specs], seq_lens=seq_lens)
     kwargs = dict(methods=methods, offloads=offloads, zero_stages=zero_stages,
                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, margin=margin,
-                  profile=profile, fixed=fixed, explain=False)
+                  profile=profile, fixed=fixed, explain=False, long_context=long_context)
     for spec in specs:
         memos: dict[int, dict] = {}  # rule verdicts per pool, shared across this model's sequence lengths
         for s in seq_lens:

@@ -15,6 +15,8 @@ from memfit.errors import ConfigError
 from memfit.estimate.host import node_ram
 from memfit.methods import METHODS
 from memfit.plan import rules
+from memfit.plan.longctx import lever_note
+from memfit.plan.longctx import variants as long_context_variants
 from memfit.plan.single import check_margin
 from memfit.plan.space import enumerate_strategies, make_strategy
 from memfit.spec import context
@@ -147,11 +149,13 @@ def plan(
     fixed: Optional[dict[str, Any]] = None,
     explain: bool = True,
     rule_memo: Optional[dict] = None,
+    long_context: bool = True,
 ) -> Plan:
     """Search the levers for ``model`` on ``hardware``; recommend the fastest combination that fits.
 
     ``rule_memo``: a dict to reuse rule verdicts across calls for the SAME model and hardware (the matrix
-    passes one per model and pool; rules do not read lengths, batch or checkpointing).
+    passes one per model and pool; rules do not read lengths, batch or checkpointing). ``long_context``: where
+    nothing fits as is, search again with the long-context levers (memfit.plan.longctx).
     """
     from memfit.estimate import estimate
 
@@ -160,22 +164,17 @@ def plan(
     result.search_args = dict(methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
                               offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size,
                               grad_accum=grad_accum, margin=margin, profile=profile, fixed=fixed)
-    tried = 0
     if rule_memo is None:
         rule_memo = {}
-    for strategy in enumerate_strategies(
-        model, hardware, methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
-        offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
-        fixed=fixed,
-    ):
-        tried += 1
+
+    def attempt(strategy: Strategy) -> None:
         key = rule_key(strategy, model)
         reasons = rule_memo.get(key)
         if reasons is None:
             reasons = rule_memo[key] = rules.check(model, hardware, strategy)
         if reasons:
             result.rejected.append(Rejection(strategy, " Also: ".join(reasons), "rule", reasons=reasons))
-            continue
+            return
         est = estimate(model, hardware, strategy, profile=profile, margin=margin)
         verdict = memory_verdict(est, hardware)
         if verdict is None:
@@ -183,6 +182,18 @@ def plan(
         else:
             reason, short, ratio = verdict
             result.rejected.append(Rejection(strategy, reason, "memory", est, short_bytes=short, over_ratio=ratio))
+
+    space = tuple(enumerate_strategies(
+        model, hardware, methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
+        offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+        fixed=fixed,
+    ))
+    tried = len(space)
+    for strategy in space:
+        attempt(strategy)
+    if long_context and not result.candidates:  # nothing fits as is: again with the long-context levers
+        for strategy in long_context_variants(space, hardware, fixed):
+            attempt(strategy)
     if not tried:
         make_strategy(**(fixed or {}))  # raises the validator's own message when the fixed keys contradict
         raise ConfigError("the fixed strategy keys leave no combination to try (e.g. offload needs "
@@ -196,8 +207,10 @@ def plan(
 
 def _twins(a: Strategy, b: Strategy) -> bool:
     """Same combination but for the loss."""
-    return (a.method, a.engine, a.offload, a.gradient_checkpointing, a.attention) == \
-        (b.method, b.engine, b.offload, b.gradient_checkpointing, b.attention)
+    return (a.method, a.engine, a.offload, a.gradient_checkpointing, a.attention, a.sequence_parallel,
+            a.context_parallel, a.activation_offload, a.tiled_mlp) == \
+        (b.method, b.engine, b.offload, b.gradient_checkpointing, b.attention, b.sequence_parallel,
+         b.context_parallel, b.activation_offload, b.tiled_mlp)
 
 
 def chunked_loss_note(p: Plan) -> Optional[str]:
@@ -242,9 +255,9 @@ def explain_plan(p: Plan) -> list[str]:
             f"{_gb(ram_need(rec, p.hardware) if p.hardware.gpu.is_cpu else rec.gpu_needed)} of "
             f"{_gb(gpu_cap)} {'of RAM' if p.hardware.gpu.is_cpu else 'per GPU'} with {p.margin:.0%} kept free."
         )
-        note = chunked_loss_note(p)
-        if note:
-            why.append(note)
+        for note in (lever_note(p), chunked_loss_note(p)):
+            if note:
+                why.append(note)
         seen = {_recipe(rec.strategy)}
         for c in p.candidates[1:]:
             if len(seen) >= 4:

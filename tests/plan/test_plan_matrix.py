@@ -20,9 +20,15 @@ from functools import lru_cache
 
 import pytest
 
-from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, NO_FIT, matrix, short_label
+from memfit.plan.matrix import DEFAULT_MODELS, DEFAULT_SEQ_LENS, NO_FIT, short_label
+from memfit.plan.matrix import matrix as plan_matrix
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.strategy import Strategy
+
+
+def matrix(*args, **kwargs):
+    """The paper's study: its levers only (no long-context levers, which it did not have)."""
+    return plan_matrix(*args, long_context=False, **kwargs)
 
 V100 = parse_hardware("8xV100-32GB")
 V100_2N = parse_hardware("2x8xV100-32GB")
