@@ -55,6 +55,19 @@ class LongContext(NamedTuple):
     exchange: float            # bytes one layer's sequence exchange holds in flight (all-to-all / K, V gathered)
 
 
+def _outside(run: Setup, saved: Saved) -> tuple[float, list]:
+    """What autograd saves outside the checkpointed layers, which ``all`` packs too: the final norm's and the
+    head's inputs (the tail), the head's weight (a linear saves its W^T for the input's gradient; save_on_cpu
+    copies it), the standard loss's fp32 logits twice (the cross-entropy's input and its log-softmax; the chunked
+    loss keeps no full logits). (bytes, the tensors' sizes for the pinned blocks)."""
+    st, model = run.strategy, run.model
+    tokens = float(st.micro_batch_size) * st.seq_len
+    head = float(model.vocab * model.hidden) * run.value_b
+    logits = 4.0 * tokens * model.vocab if st.loss == "standard" else 0.0
+    sizes = [saved.act_tail / 2.0, saved.act_tail / 2.0, head] + ([logits, logits] if logits else [])
+    return sum(sizes), sizes
+
+
 def _offloaded(run: Setup, saved: Saved) -> tuple[float, float]:
     """(bytes offloaded per micro-batch, pinned host bytes per process)."""
     st, model = run.strategy, run.model
@@ -63,15 +76,18 @@ def _offloaded(run: Setup, saved: Saved) -> tuple[float, float]:
         return 0.0, 0.0
     if run.gc:  # both modes: each checkpointed layer's input
         per_layer = saved.act_in / model.layers
-        return saved.act_in, model.layers * pinned_block(per_layer)
-    if mode == "checkpointed":
+        moved, host = saved.act_in, model.layers * pinned_block(per_layer)
+    elif mode == "checkpointed":
         return 0.0, 0.0  # a rule refuses it without checkpointing (memfit.plan.rules)
-    # all, without checkpointing: every saved tensor of the layers and the method's own; rounded as blocks of
-    # the residual stream's size (the layers' largest saved tensors are multiples of it)
-    moved = saved.act_layers + saved.adapter.intermediates
-    unit = float(st.micro_batch_size) * st.seq_len * model.hidden * run.value_b
-    ratio = pinned_block(unit) / unit if unit else 1.0
-    return moved, moved * ratio
+    else:  # all, without checkpointing: every saved tensor of the layers and the method's own, rounded as blocks
+        # of the residual stream's size (the layers' largest saved tensors are multiples of it)
+        moved = saved.act_layers + saved.adapter.intermediates
+        unit = float(st.micro_batch_size) * st.seq_len * model.hidden * run.value_b
+        host = moved * (pinned_block(unit) / unit if unit else 1.0)
+    if mode == "all":
+        extra, sizes = _outside(run, saved)
+        moved, host = moved + extra, host + sum(pinned_block(x) for x in sizes)
+    return moved, host
 
 
 def _tiled(run: Setup, saved: Saved) -> Saved:
@@ -116,6 +132,8 @@ def long_context(run: Setup, saved: Saved, global_seq: int) -> LongContext:
             saved = saved._replace(act_in=saved.act_in / run.model.layers)
         else:  # the backward brings one layer's saved tensors back at a time
             saved = saved._replace(act_layers=saved.act_layers / run.model.layers)
+        if run.strategy.activation_offload == "all":  # the tail waits on the host until the head's backward
+            saved = saved._replace(act_tail=0.0)
     exchange = _exchange(run, global_seq)
     if exchange:
         saved = saved._replace(act_bwd=saved.act_bwd + exchange)

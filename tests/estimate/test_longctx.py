@@ -86,3 +86,21 @@ def test_context_parallelism_gathers_the_whole_sequence_keys_and_values():
     assert cp.gpu["total"] - cp.gpu["overhead"] == pytest.approx(
         local.gpu["total"] - local.gpu["overhead"] + gathered, rel=1e-9)
     assert cp.time["sequence_exchange_seconds"] > 0
+
+
+def test_offload_all_also_packs_what_autograd_saves_outside_the_checkpoints():
+    """save_on_cpu around the step packs the tail (final norm and head inputs), the head's W^T and the standard
+    loss's fp32 logits twice besides the layers' inputs (what memfit train counts: tests/train/
+    test_long_context_train.py), each in its own pinned block."""
+    s = 8192
+    st = dict(BASE, loss="standard", seq_len=s)
+    ckpt = estimate(L8, H100, Strategy(**st, activation_offload="checkpointed"))
+    every = estimate(L8, H100, Strategy(**st, activation_offload="all"))
+    tail = every.gpu["activations"]  # the tail leaves the device: compare with the checkpointed run's
+    assert tail < ckpt.gpu["activations"]
+    head = L8.vocab * L8.hidden * 2.0
+    logits = 4.0 * s * L8.vocab
+    tail_part = 2 * s * L8.hidden * 4.0  # fp32 norm input and the trained head's input, 2 x 4 B x h per token
+    extra = sum(pinned_block(x) for x in (tail_part / 2, tail_part / 2, head, logits, logits))
+    assert every.cpu["offloaded_activations"] - ckpt.cpu["offloaded_activations"] == pytest.approx(8 * extra,
+                                                                                                  rel=0.01)
