@@ -150,7 +150,9 @@ def before_launch(run: RunSpec) -> list[str]:
         run = run.model_copy(update={"strategy": run.strategy.model_copy(update={"attention": "sdpa"})})
     model, hardware = _specs(run)
     cpu = hardware is None or hardware.gpu.is_cpu
-    out = planning_only(run) + engine_reasons(run, cpu=cpu)
+    from memfit.distributed.parallelism import reasons as parallelism_reasons
+
+    out = planning_only(run) + parallelism_reasons(run) + engine_reasons(run, cpu=cpu)
     if model is not None and hardware is not None:
         out += rule_reasons(run, model, hardware) + ram_reasons(run, model, hardware)
     if not cpu:
