@@ -59,12 +59,17 @@ def _outside(run: Setup, saved: Saved) -> tuple[float, list]:
     """What autograd saves outside the checkpointed layers, which ``all`` packs too: the final norm's and the
     head's inputs (the tail), the head's weight (a linear saves its W^T for the input's gradient; save_on_cpu
     copies it), the standard loss's fp32 logits twice (the cross-entropy's input and its log-softmax; the chunked
-    loss keeps no full logits). (bytes, the tensors' sizes for the pinned blocks)."""
+    loss keeps no full logits); without checkpointing the layers' weights likewise (memfit train counts them:
+    metrics.jsonl act_offload_weight_bytes). (bytes, the tensors' sizes for the pinned blocks)."""
     st, model = run.strategy, run.model
     tokens = float(st.micro_batch_size) * st.seq_len
     head = float(model.vocab * model.hidden) * run.value_b
     logits = 4.0 * tokens * model.vocab if st.loss == "standard" else 0.0
     sizes = [saved.act_tail / 2.0, saved.act_tail / 2.0, head] + ([logits, logits] if logits else [])
+    if not run.gc:  # every layer's linears save their W^T for the input's gradient (frozen ones too): packed
+        # each step (with checkpointing they are saved inside the checkpoints, on the device)
+        sizes += [float(x.in_features * x.out_features) * run.value_b
+                  for x in model.linears for _ in range(x.count)] * model.layers
     return sum(sizes), sizes
 
 
