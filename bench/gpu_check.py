@@ -73,6 +73,21 @@ CONFIGS_2 = [
                                                     gradient_checkpointing=True),
      {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
 ]
+# The long-context levers one GPU can exercise (issue 36; sequence / context parallelism need two): checkpointed and
+# full activation offload against the same run without, and DeepSpeed's TiledMLP under ZeRO-1 on one process.
+CONFIGS_LONG = [
+    ("1b-lora-gc-16k", "llama-3.2-1b", dict(method="lora", seq_len=16384, micro_batch_size=1,
+                                            gradient_checkpointing=True, loss="chunked"), {}),
+    ("1b-lora-gc-16k-offload", "llama-3.2-1b", dict(method="lora", seq_len=16384, micro_batch_size=1,
+                                                    gradient_checkpointing=True, loss="chunked",
+                                                    activation_offload="checkpointed"), {}),
+    ("1b-lora-gc-16k-offload-all", "llama-3.2-1b", dict(method="lora", seq_len=16384, micro_batch_size=1,
+                                                        gradient_checkpointing=True, loss="chunked",
+                                                        activation_offload="all"), {}),
+    ("1b-full-z1-gc-16k-tiled", "llama-3.2-1b", dict(method="full", seq_len=16384, micro_batch_size=1,
+                                                     gradient_checkpointing=True, loss="chunked", zero_stage=1,
+                                                     tiled_mlp=True), {}),
+]
 TINY_CONFIGS = [
     ("tiny-full", "tiny", dict(method="full", seq_len=64, micro_batch_size=2, precision="fp32"), {}),
     ("tiny-lora-gc", "tiny", dict(method="lora", seq_len=64, micro_batch_size=2, precision="fp32",
@@ -311,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="micro shapes (a CPU check of this script)")
     ap.add_argument("--second", action="store_true", help="the second set of configurations (chunked loss, "
                     "long checkpointed LoRA, expandable_segments under checkpointing)")
+    ap.add_argument("--long", action="store_true", help="the long-context levers one GPU can run (activation "
+                    "offload, the tiled MLP)")
     ap.add_argument("--only", help="comma-separated configuration names")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds after which no new configuration starts")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per configuration")
@@ -328,7 +345,7 @@ def main(argv=None) -> int:
         result = json.loads(Path(args.replay).read_text())
         replay_configs(result, Path(tempfile.mkdtemp(prefix="memfit-gpu-check-")))
     else:
-        configs = TINY_CONFIGS if args.tiny else CONFIGS_2 if args.second else CONFIGS
+        configs = TINY_CONFIGS if args.tiny else CONFIGS_2 if args.second else CONFIGS_LONG if args.long else CONFIGS
         if args.only:
             wanted = set(args.only.split(","))
             configs = [c for c in configs if c[0] in wanted]
