@@ -64,8 +64,9 @@ def _cuda_rows(t: Table, mem: dict) -> None:
     t.add_row("  reserved (caching allocator)", _gb(mem.get("gpu_reserved_bytes")), "torch max_memory_reserved")
     total, needed = mem.get("gpu_bytes", {}).get("total"), mem.get("gpu_needed_bytes")
     t.add_row("  nvidia-smi", _gb(total), "reserved + CUDA context + NCCL")
-    if needed is not None and total is not None and needed < total:  # the cache the allocator frees on demand
-        t.add_row("  held against the card", _gb(needed), "less the cache the allocator frees when the card is full")
+    if needed is not None and total is not None and needed < total:  # whole free segments, freed on demand
+        t.add_row("  held against the card", _gb(needed), "less the free segments the allocator releases when the "
+                  "card is full")
     else:
         t.add_row("  held against the card", _gb(total), "all of it (the verdict's figure)")
     if mem.get("gpu_loading_bytes"):

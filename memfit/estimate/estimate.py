@@ -72,12 +72,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     formula = static + peak.phase
     cuda_ctx = CU.context_bytes(gpu, profile)
     nccl = CU.nccl_bytes(hardware, profile)
-    frag = fragmentation(run, params, saved, peak, formula)
-    if not gpu.is_cpu:  # the cache never holds more than the card leaves (the allocator frees it and retries)
-        frag = CU.cap_cached(frag, formula, cuda_ctx + nccl, gpu.memory_bytes,
-                             run.offload_optimizer or run.offload_params, profile)
-    firm = formula + cuda_ctx + nccl + CU.cap_cached(frag, formula, cuda_ctx + nccl, 0.0,
-                                                     run.offload_optimizer or run.offload_params, profile)
+    gap = fragmentation(run, params, saved, peak, formula)
+    # the cache a card shows: whole free segments only up to the card (freed and retried when it runs out)
+    frag = gap.total if gpu.is_cpu else CU.cap_cached(gap, formula, cuda_ctx + nccl, gpu.memory_bytes)
+    firm = formula + cuda_ctx + nccl + gap.firm  # what the card must hold: the verdict's figure
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": states.weights, "gradients": grads_line, "optimizer": states.optim,
                  "activations": acts, "logits": saved.logits, "lora_intermediates": adapter.intermediates,

@@ -35,8 +35,8 @@ class Estimate:
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
         self.attention_backend = attention_backend
         self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training
-        # what the card must hold (the verdict's figure): gpu_total less the cached blocks the allocator frees
-        # when the device runs out (memfit.estimate.cuda.cap_cached); 0: gpu_total
+        # what the card must hold (the verdict's figure): gpu_total less the wholly free cached segments the
+        # allocator releases when the device runs out (memfit.estimate.cuda.gap_parts); 0: gpu_total
         self.gpu_needed = gpu_needed or gpu["total"]
 
     @property
@@ -91,7 +91,8 @@ class Estimate:
                 "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
                 "gpu_needed_bytes": int(round(self.gpu_needed)),
                 "needed": "gpu_needed_bytes = what the verdict holds against the usable memory: gpu_bytes.total "
-                          "less the cached blocks the caching allocator frees and retries with when the card is full",
+                          "less the wholly free cached segments the caching allocator releases and retries with when "
+                          "the card is full (split segments holding live blocks are never released)",
                 "attention_backend": self.attention_backend,
                 "gpu_loading_bytes": int(round(self.gpu_loading)),
                 "published_error": published_error(run_kind(self.strategy.method, self.strategy.zero_stage,
