@@ -84,6 +84,9 @@ def _strategy_options() -> dict[str, Any]:
         loss=typer.Option(None, "--loss", help="standard | chunked (output projection + cross-entropy over "
                           "token chunks, recomputed in backward: no full [tokens, vocab] logits).",
                           rich_help_panel=S),
+        allocator=typer.Option(None, "--allocator", help="default | expandable_segments (the CUDA caching "
+                               "allocator's mode; memfit train sets PYTORCH_CUDA_ALLOC_CONF): expandable "
+                               "segments hold no cached working sets.", rich_help_panel=S),
     )
 
 

@@ -98,6 +98,8 @@ def summary_table(d: dict, hardware: Any) -> Table:
                               f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
     keys = ["method", "zero_stage", "fsdp", "offload", "gradient_checkpointing", "attention", "optimizer",
             "precision", "micro_batch_size", "grad_accum", "seq_len", "loss"]
+    if not hardware.gpu.is_cpu:
+        keys.append("allocator")
     if s.get("method") in ("lora", "qlora"):
         keys += ["lora_r", "lora_targets"]
     if s.get("method") == "qlora":

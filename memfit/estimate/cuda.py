@@ -102,13 +102,14 @@ class Gap(NamedTuple):
         return self.split + self.pinned
 
 
-def reserved_gap(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile) -> float:
+def reserved_gap(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile,
+                 expandable: bool = False) -> float:
     """Reserved − allocated at the peak (``gap_parts``' total)."""
-    return gap_parts(allocated, layer_working_set, loss_blocks, offload, p).total
+    return gap_parts(allocated, layer_working_set, loss_blocks, offload, p, expandable=expandable).total
 
 
 def gap_parts(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile,
-              step_is_peak: bool = False) -> Gap:
+              step_is_peak: bool = False, expandable: bool = False) -> Gap:
     """Reserved − allocated at the peak, split by what the allocator can give back when the card is full.
 
     The caching allocator keeps every freed block: a layer's forward and backward temporaries (with
@@ -139,12 +140,15 @@ def gap_parts(allocated: float, layer_working_set: float, loss_blocks: float, of
       rounded to 2 MiB) are segments of their own, wholly free after the loss's backward: released (``whole``);
     - block splitting's waste sits in segments in use (``split``).
 
-    ``expandable_segments`` (the strategy's ``allocator``): one segment per stream grows by 20 MiB pages
-    (large pool) and ``release_blocks`` unmaps every free page of it, split or not (``unmap_block``), so the
-    cached terms go (torchtune #1185: 16.39 -> 10.83 GiB reserved with checkpointing; no change measured
-    without it) and only the splitting waste stays."""
+    ``expandable`` (the strategy's ``allocator: expandable_segments``, ``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True``; the same file's Note [Expandable Segments]): one segment per stream grows by
+    20 MiB pages (2 MiB in the small pool) and new blocks tile into it by the same best fit, so the slivers a
+    larger batch leaves at the ends of per-tensor segments are not made; on a failed allocation
+    ``release_blocks`` unmaps every free page of it, split or not (``unmap_block``). So the cached terms go
+    (torchtune #1185: 16.39 -> 10.83 GiB reserved with checkpointing; memfit's H200 check measured no change
+    without checkpointing) and only the splitting waste inside pages in use stays."""
     frac = p.fragmentation + (p.fragmentation_offload if offload else 0.0)
-    if p.expandable_segments:
+    if expandable:
         return Gap(frac * allocated, 0.0, 0.0)
     layers, loss = p.allocator_cached_layers * layer_working_set, p.allocator_cached_loss * loss_blocks
     return Gap(frac * allocated, 0.0, layers + loss) if step_is_peak else Gap(frac * allocated, layers, loss)

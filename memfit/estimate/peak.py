@@ -165,4 +165,5 @@ def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, form
     # when the optimizer step is the peak, the loss's blocks (the logits line) stay reserved beside it
     step_is_peak = peak.step_phase >= peak.phase
     return CU.gap_parts(formula, working_set + saved.act_bwd - peak.mask, saved.logits if step_is_peak else 0.0,
-                           run.offload_optimizer or run.offload_params, p, step_is_peak)
+                        run.offload_optimizer or run.offload_params, p, step_is_peak,
+                        expandable=st.allocator == "expandable_segments")

@@ -20,6 +20,7 @@ Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 QuantStorage = Literal["uint8", "bf16", "fp16", "fp32"]
 Loss = Literal["standard", "chunked"]
+Allocator = Literal["default", "expandable_segments"]
 
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
@@ -78,6 +79,11 @@ class Strategy(BaseModel):
     seq_len: int = Field(512, ge=1)
     loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
                        "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
+    allocator: Allocator = Field("default", description="the CUDA caching allocator's mode: default, or "
+                                 "expandable_segments (memfit train sets PYTORCH_CUDA_ALLOC_CONF="
+                                 "expandable_segments:True on CUDA): one growing segment per stream whose free "
+                                 "pages are unmapped when the card fills, so no cached working sets are held "
+                                 "(memfit.estimate.cuda.gap_parts). Ignored on the CPU")
     # LoRA / QLoRA adapter
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
@@ -202,4 +208,6 @@ class Strategy(BaseModel):
             parts.append("no-sync")
         if self.loss != "standard":
             parts.append(f"{self.loss}-ce")
+        if self.allocator != "default":
+            parts.append("expandable")
         return "+".join(parts)

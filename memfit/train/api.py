@@ -213,9 +213,14 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
 
     run = with_launcher_version(run)  # `accelerate launch --config_file`: the FSDP version the file names
     engine = engines.for_run(run)
+    from memfit.train.allocator import apply_allocator
+
+    allocator_note = apply_allocator(run.strategy)  # before CUDA allocates (the process group's NCCL too)
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
     model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
+    if allocator_note:
+        info.notes.append(allocator_note)
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")

@@ -28,7 +28,7 @@ def test_gap_parts_split_by_what_a_retry_releases():
     g = gap_parts(10e9, 2e9, 3e9, False, p, step_is_peak=True)
     assert g == Gap(0.04 * 10e9, 0.0, 0.75 * 2e9 + 0.5 * 3e9) and g.firm == g.split
     # expandable segments: every free page is unmapped on a retry, only the splitting waste stays
-    assert gap_parts(10e9, 2e9, 3e9, False, p.with_values(expandable_segments=1.0)) == Gap(0.04 * 10e9, 0.0, 0.0)
+    assert gap_parts(10e9, 2e9, 3e9, False, p, expandable=True) == Gap(0.04 * 10e9, 0.0, 0.0)
     # what a card shows: the firm part whatever the card, whole free segments up to what it leaves
     g = Gap(1e9, 2e9, 5e9)
     assert cap_cached(g, 10e9, 1e9, 100e9) == 8e9
@@ -61,3 +61,27 @@ def test_a_step_peak_holds_less_than_the_card_shows():
                   micro_batch_size=8)
     est = estimate(resolve_model("mistral-7b"), parse_hardware("1xA100-80GB"), st)
     assert est.fits and est.gpu_needed < est.usable_gpu_bytes < est.gpu_total
+
+
+def test_the_allocator_is_a_strategy_lever(capsys):
+    """allocator: expandable_segments (CLI --allocator) holds no cached working sets: the OOM run's 6.9 GB of
+    cached layer working sets go, and it fits; the label and --json's strategy say which mode was priced."""
+    code, out, _ = run_cli(capsys, "estimate", *OOM_RUN, "--batch-size", "4", "--allocator", "expandable_segments",
+                           "--json")
+    d = json.loads(out)
+    assert code == 0 and d["strategy"]["allocator"] == "expandable_segments" and d["fits"] is True
+    mem = d["memory"]
+    split = 0.04 * mem["gpu_allocated_bytes"]
+    assert abs(mem["gpu_overhead_bytes"]["allocator_fragmentation"] - split) < 1e3
+    code, out, _ = run_cli(capsys, "estimate", *OOM_RUN, "--batch-size", "4", "--json")
+    assert json.loads(out)["strategy"]["allocator"] == "default"
+    code, _, err = run_cli(capsys, "estimate", *OOM_RUN, "--allocator", "cudaMallocAsync")
+    assert code == 2 and "allocator" in err and "expandable_segments" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_profile_saved_with_the_old_switch_still_loads(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"fragmentation": 0.05, "expandable_segments": 1.0}))
+    prof = Profile.load(path)
+    assert prof.fragmentation == 0.05 and "allocator" in prof.notes
+    assert "expandable_segments" not in Profile.constant_names()
