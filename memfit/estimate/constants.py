@@ -148,7 +148,7 @@ class Profile:
     process_baseline_bytes: float = 2.0 * GiB  # resident size of a Python+torch(+CUDA libs) training process before the model
     process_baseline_bytes_cpu: float = 0.6e9  # CPU pseudo-device: peak RSS − allocator peak of a CPU-only torch+transformers process (bench/measure_grid.py: 578–610 MB)
     process_baseline_dist_cpu: float = 0.12e9  # CPU pseudo-device, world > 1: + gloo process group and engine imports per rank (bench/measure_grid.py 2-process rows: 700–750 MB)
-    pinned_buffer_bytes: float = 1.0 * GiB  # pinned staging buffers per process when offloading
+    pinned_buffer_bytes: float = 1.0 * GiB  # DeepSpeed offload: pinned staging buffers per process (guess; FSDP pins its shards and gradient buffers instead: memfit.estimate.pinned)
     checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init
     # ---- bookkeeping --------------------------------------------------------------------------------
     calibrated: dict = field(default_factory=dict, compare=False)  # name -> measured relative error after calibration
