@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import typer
 
+from memfit.cli.phase_opts import EvalBatchOpt, EvalExamplesOpt, EvalLogitsOpt, SaveModeOpt, run_phases
 from memfit.errors import ConfigError, IncompatibleError
 from memfit.methods import METHODS
 
@@ -183,6 +184,8 @@ def estimate_cmd(
         None, "--activation-formula", help="derived (default: from the model's real blocks) | korthikanti "
         "(GPT-style s·b·h·(34+5as/h), as arXiv 2406.02290 uses)", rich_help_panel=M),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    eval_batch_size: Optional[int] = EvalBatchOpt, eval_keep_logits: bool = EvalLogitsOpt,
+    eval_examples: Optional[int] = EvalExamplesOpt, save_mode: Optional[str] = SaveModeOpt,
     **strategy_flags: Any,
 ) -> None:
     """Estimate per-GPU memory, CPU RAM and step time of ONE combination."""
@@ -192,7 +195,8 @@ def estimate_cmd(
     spec, hw, prof = _load(model, gpus, cpu_ram, nodes, profile)
     keys = _fixed_keys(**strategy_flags)
     keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
-    result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula)
+    result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula,
+                          phases=run_phases(eval_batch_size, eval_keep_logits, eval_examples, save_mode))
     if result.rule_reasons:
         raise IncompatibleError(" Also: ".join(result.rule_reasons))
     if json_:
@@ -226,6 +230,8 @@ def plan_cmd(
                                         "accelerate.yaml) for the recommendation into this folder.",
                                         rich_help_panel=OUT),
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    eval_batch_size: Optional[int] = EvalBatchOpt, eval_keep_logits: bool = EvalLogitsOpt,
+    eval_examples: Optional[int] = EvalExamplesOpt, save_mode: Optional[str] = SaveModeOpt,
     **strategy_flags: Any,
 ) -> None:
     """Try every combination of levers and recommend the fastest that fits (or search the GPU count)."""
@@ -237,7 +243,8 @@ def plan_cmd(
     fixed = _fixed_keys(**strategy_flags)
     kwargs = dict(methods=_str_list(methods), zero_stages=_int_list(zero_stages, "--zero-stages"),
                   allow_offload=not no_offload, seq_len=seq_len, micro_batch_size=batch_size,
-                  grad_accum=grad_accum, margin=margin, fixed=fixed)
+                  grad_accum=grad_accum, margin=margin, fixed=fixed,
+                  phases=run_phases(eval_batch_size, eval_keep_logits, eval_examples, save_mode))
     if gpu is not None:
         from memfit.plan.gpu_count import gpu_count_search
         from memfit.spec.model import resolve_model

@@ -117,12 +117,23 @@ def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
 
 
 def planning_only(run: RunSpec) -> list[str]:
-    """Strategy keys that describe another stack for the estimate and that memfit's trainer does not run."""
+    """Keys that describe another stack for the estimate and that memfit's trainer does not run."""
+    from memfit.spec.phases import save_mode
+
+    out = []
     if run.strategy.hf_legacy_checkpoint:
-        return ["strategy.hf_legacy_checkpoint prices transformers < 4.52's reentrant checkpoint around each "
-                "layer (planning another stack); memfit trains with transformers 5's checkpoint inside each "
-                "layer: set it false"]
-    return []
+        out.append("strategy.hf_legacy_checkpoint prices transformers < 4.52's reentrant checkpoint around each "
+                   "layer (planning another stack); memfit trains with transformers 5's checkpoint inside each "
+                   "layer: set it false")
+    if not run.eval.loss_only:
+        out.append("eval.loss_only=false prices a Trainer that gathers logits for compute_metrics (planning another "
+                   "stack); memfit train has no metrics and evaluates the loss only: set it true")
+    done = save_mode(run.strategy)
+    if run.save.mode not in (None, done):
+        out.append(f"save.mode={run.save.mode}: memfit train's final save for {run.strategy.engine} with "
+                   f"{run.strategy.method} is {done} (memfit.spec.phases.save_mode); leave save.mode unset or "
+                   f"set it to {done}")
+    return out
 
 
 def reasons(run: RunSpec) -> list[str]:

@@ -150,6 +150,7 @@ class Profile:
     process_baseline_dist_cpu: float = 0.12e9  # CPU pseudo-device, world > 1: + gloo process group and engine imports per rank (bench/measure_grid.py 2-process rows: 700–750 MB)
     pinned_buffer_bytes: float = 1.0 * GiB  # DeepSpeed offload: pinned staging buffers per process (guess; FSDP pins its shards and gradient buffers instead: memfit.estimate.pinned)
     checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init
+    save_shard_bytes: float = 50e9  # one safetensors file a save holds on the CPU when the engine hands it GPU tensors: transformers 5.24 save_pretrained max_shard_size="50GB" (modeling_utils.py:3325), safetensors _flatten_as_ptr moves each to the CPU and keeps it alive for the file
     # ---- bookkeeping --------------------------------------------------------------------------------
     calibrated: dict = field(default_factory=dict, compare=False)  # name -> measured relative error after calibration
     notes: str = ""

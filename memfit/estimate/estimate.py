@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memfit.estimate import cuda as CU
+from memfit.estimate import phases as RP
 from memfit.steptime import step as T
 from memfit.estimate.constants import Profile
 from memfit.estimate.host import cpu_lines, verdict
@@ -31,13 +32,16 @@ from memfit.estimate.states import engine_buffers, model_states
 from memfit.methods import METHODS
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec, lora_target_reason
+from memfit.spec.phases import DEFAULT_PHASES, RunPhases
 from memfit.spec.strategy import Strategy
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
-             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
+             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None,
+             phases: Optional[RunPhases] = None) -> Estimate:
     """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
-    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed."""
+    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed.
+    ``phases``: the run's ``eval`` and ``save`` keys (memfit.spec.phases; None: memfit train's defaults)."""
     profile = profile_for(profile, model, strategy, activation_formula, distributed, margin)
     method = METHODS[strategy.method]
     run = Setup(model, hardware, strategy, profile, method)
@@ -89,6 +93,14 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- CPU RAM per node -------------------------------------------------------------------------
     cpu, steady = cpu_lines(run, states, adapter.host)
 
+    # ---- run phases: loading, the step, evaluation, the save (memfit.estimate.phases) ----------------
+    train_gpu = gpu_lines["total"] if gpu.is_cpu else firm
+    figures = RP.run_phases(run, RP.phase_inputs(run, states, bufs, saved, static, formula, gap.split,
+                                                 cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady),
+                            phases or DEFAULT_PHASES, states.weights_all, params.trainable)
+    gpu_phase, cpu_phase = RP.peak_phase(figures, 0), RP.peak_phase(figures, 1)
+    cpu["total"] = figures[cpu_phase][1]
+
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
     timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
         engine=run.engine, p_t=params.trainable, adapted=params.adapted,
@@ -100,16 +112,17 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)
-    # the verdict on what the card must hold: the cached blocks beyond the allocated bytes are released on demand
-    reasons += verdict(run, gpu_lines["total"] if gpu.is_cpu else firm, cpu["total"], gpu_loading, cuda_ctx, margin,
-                       usable)
+    # the verdict on what the card must hold in its largest run phase (the step: less the whole free segments)
+    reasons += verdict(run, figures[gpu_phase][0], cpu["total"], gpu_loading, cuda_ctx, margin, usable, gpu_phase,
+                       cpu_phase)
     frozen = params.frozen_bytes if not method.trains_base else run.total_params * run.value_b
     return Estimate(model=model, hardware=hardware, strategy=strategy, gpu=gpu_lines,
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
-                    cpu=cpu, cpu_phase="loading" if cpu["model_loading"] > steady else "training",
+                    cpu=cpu, cpu_phase=RP.NAMES[cpu_phase],
                     time=timed["time"], traffic=timed["traffic"], fits=not reasons, reasons=reasons,
                     trainable_parameters=method.reported_trainable(model, strategy, params.trainable),
                     floor_memory=frozen / (run.world if run.shard_weights else 1),
                     floor_seconds=timed["floor_seconds"], margin=margin, usable_gpu_bytes=usable,
                     attention_backend=backend, gpu_loading=gpu_loading,
-                    gpu_needed=gpu_lines["total"] if gpu.is_cpu else firm)
+                    gpu_needed=figures[gpu_phase][0], phases=figures, gpu_phase=gpu_phase,
+                    phase_settings=RP.settings(strategy, phases or DEFAULT_PHASES))

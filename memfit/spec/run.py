@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from memfit.errors import ConfigError
 from memfit.spec.strategy import Strategy
+from memfit.spec.phases import EvalSpec, RunPhases, SaveSpec
 
 DataFormat = Literal["auto", "prompt_completion", "dialogue_summary", "chat", "text"]
 
@@ -77,7 +78,14 @@ class RunSpec(BaseModel):
     strategy: Strategy = Strategy()
     training: TrainingSpec = TrainingSpec()
     distributed: DistributedSpec = DistributedSpec()
+    eval: EvalSpec = EvalSpec()
+    save: SaveSpec = SaveSpec()
     output_dir: str = Field("runs/memfit", description="folder for the run's files")
+
+    @property
+    def phases(self) -> RunPhases:
+        """The keys the estimator's run phases read (memfit.spec.phases)."""
+        return RunPhases(eval=self.eval, save=self.save)
 
     @field_validator("output_dir", mode="before")
     @classmethod

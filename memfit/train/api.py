@@ -81,6 +81,15 @@ def preflight(run) -> list[str]:
     return reasons(run)
 
 
+def phases_note(run) -> str:
+    """The summary's line on the run phases as run (the estimate priced the same: memfit.spec.phases)."""
+    from memfit.spec.phases import save_mode
+
+    return (f"run phases: evaluation batch {run.eval.batch_size or run.strategy.micro_batch_size}, loss only "
+            f"(no compute_metrics); final save {save_mode(run.strategy, run.save.mode)}; checkpoints "
+            f"{'sharded' if run.strategy.fsdp or run.strategy.zero_stage else 'whole'}")
+
+
 def cpu_threads() -> Optional[int]:
     """On CPU, unless OMP_NUM_THREADS is set: use the cores other processes leave idle (1-minute load
     average). Oversubscribed OpenMP threads spin against each other and can make a step 10x slower.
@@ -221,6 +230,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
     if allocator_note:
         info.notes.append(allocator_note)
+    info.notes.append(phases_note(run))
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
