@@ -119,9 +119,11 @@ def trim_metrics(path: Path, last_step: int) -> None:
     write_text(path, "".join(x + "\n" for x in keep), "metrics")
 
 
-def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None) -> Path:
+def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None,
+                 adapter_only: bool = False) -> Path:
     """The method's result (adapter, full model or MEFT file) in ``out/<method.output>``, atomically.
-    ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own."""
+    ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own; ``adapter_only``: FSDP's
+    gathered adapter alone (memfit.train.adapter_save: PEFT cannot name FSDP1's nested units)."""
     from memfit.methods import for_strategy
 
     method = for_strategy(run.strategy)
@@ -129,7 +131,12 @@ def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = 
         state_dict = {k: v.detach().cpu() for k, v in state_dict.items()}
     dst = out / method.output
     with atomic_dir(dst) as tmp:
-        method.save(model, tokenizer, tmp, state_dict)
+        if adapter_only:
+            from memfit.train.adapter_save import save_gathered_adapter
+
+            save_gathered_adapter(model, tokenizer, tmp, state_dict)
+        else:
+            method.save(model, tokenizer, tmp, state_dict)
     return dst
 
 
@@ -299,12 +306,24 @@ def _save_final(run, trainer, engine, tokenizer, out: Path) -> Optional[Path]:
     from memfit.train.checkpoint import checkpoints
 
     try:
-        # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes
-        state_dict = engine.gathered_state_dict(trainer, run)
+        # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes; FSDP with save.mode
+        # sharded: every rank writes its shards, adapter: only the trained parameters gathered (#39)
+        from memfit.spec.phases import save_mode
+
+        mode = save_mode(run.strategy, run.save.mode)
+        if run.strategy.fsdp and mode == "sharded":
+            saved = engine.save_sharded(trainer, out)
+            engine.barrier()
+            return saved
+        adapter_only = bool(run.strategy.fsdp) and mode == "adapter"
+        if adapter_only:
+            state_dict = engine.adapter_state_dict(trainer, run)
+        else:
+            state_dict = engine.gathered_state_dict(trainer, run)
         saved = None
         if trainer.is_world_process_zero():
             saved = save_outputs(run, trainer.accelerator.unwrap_model(trainer.model), tokenizer, out,
-                                 state_dict)
+                                 state_dict, adapter_only)
         engine.barrier()
         return saved
     except WriteError as err:
