@@ -284,7 +284,8 @@ def test_fsdp1_refused_on_the_cpu_device_in_one_line():
     cpu = HardwareSpec(cpu_device(), gpus_per_node=2)
     reasons = check(TINY, cpu, Strategy(method="lora", fsdp="full_shard", fsdp_version=1, precision="fp32"))
     assert reasons == ["fsdp_version=1 on the CPU device: FSDP1's final full-state-dict gather crashes under gloo "
-                       "(docs/distributed.md); use fsdp_version=2 on the CPU, or FSDP1 on CUDA GPUs"]
+                       "(docs/distributed.md); use fsdp_version=2 on the CPU, FSDP1 on CUDA GPUs, or train with "
+                       "save.mode=sharded or adapter"]
     assert check(TINY, cpu, Strategy(method="lora", fsdp="full_shard", fsdp_version=2, precision="fp32")) == []
     assert check(TINY, parse_hardware("2xA100-80GB"),
                  Strategy(method="lora", fsdp="full_shard", fsdp_version=1)) == []
