@@ -12,7 +12,7 @@ def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, 
     p, procs, gpu = run.profile, run.hardware.gpus_per_node, run.gpu
     # DeepSpeed's offload stages through pinned buffers of its own; FSDP's pinned blocks (the shards and the
     # _cpu_grad staging each unit pre-allocates) are the offloaded lines themselves (memfit.estimate.pinned)
-    pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu and run.family != "fsdp" else 0.0
+    pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu and not run.fsdp else 0.0
     steady = procs * (states.cpu_optim + states.cpu_grads + states.cpu_params + pinned + meft_store)
     # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
     load_b = 4.0 if run.precision == "fp32" or (run.method.trains_base and run.precision in ("fp16-mixed",

@@ -107,7 +107,7 @@ def unit_bytes(run, weights_all: float) -> float:
 
 def save_gpu(run, x: PhaseInputs, mode: str, unit: float) -> float:
     """Per GPU while saving: the static lines + (a full gather on a sharded engine) one unit unsharded."""
-    gathered = unit if mode == "full" and (run.fsdp or run.shard_weights) else 0.0
+    gathered = unit if mode not in ("sharded", "adapter") and (run.fsdp or run.shard_weights) else 0.0
     return (x.at_rest + gathered) * (1.0 + x.split) + x.fixed
 
 
@@ -172,7 +172,8 @@ def phase_inputs(run, states, bufs, saved, static: float, formula: float, split:
     procs = run.hardware.gpus_per_node
     unpinned = procs * (states.weights_all / run.world) if (
         run.fsdp_version == 1 and run.offload_params and not run.gpu.is_cpu) else 0.0
-    at_rest = static - (states.compute_all if run.engine == "sgo" else 0.0)  # SHARD_GRAD_OP resharded after backward
+    # SHARD_GRAD_OP's parameters kept unsharded from the forward to the backward are resharded after it
+    at_rest = static - (states.compute_all if run.strategy.fsdp == "shard_grad_op" else 0.0)
     return PhaseInputs(weights=states.weights, static=static, at_rest=at_rest, layer_bufs=layer_bufs,
                        held_bufs=held_bufs, layer_set=layer,
                        logits=saved.logits - saved.head_grad, split=split / formula if formula else 0.0,
