@@ -95,20 +95,12 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
 
     # ---- run phases: loading, the step, evaluation, the save (memfit.estimate.phases) ----------------
     train_gpu = gpu_lines["total"] if gpu.is_cpu else firm
-    figures = RP.run_phases(run, RP.phase_inputs(run, states, bufs, saved, static, formula, gap.split,
-                                                 cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady),
-                            phases or DEFAULT_PHASES, states.weights_all, params.trainable)
-    gpu_phase, cpu_phase = RP.peak_phase(figures, 0), RP.peak_phase(figures, 1)
-    cpu["total"] = figures[cpu_phase][1]
+    figures, gpu_phase, cpu_phase = RP.priced(run, RP.phase_inputs(
+        run, states, bufs, saved, static, formula, gap.split, cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady),
+        phases or DEFAULT_PHASES, states.weights_all, params.trainable, cpu)
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
-    timed = T.step_time(model, hardware, strategy, profile, T.StepInputs(
-        engine=run.engine, p_t=params.trainable, adapted=params.adapted,
-        gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,
-        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
-        meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
-        fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp), prompt_tokens=method.prompt_tokens(model, strategy),
-        **run.optimizer_dtypes()))
+    timed = _step_time(run, params, states, bufs, adapter)
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)
@@ -126,3 +118,15 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
                     attention_backend=backend, gpu_loading=gpu_loading,
                     gpu_needed=figures[gpu_phase][0], phases=figures, gpu_phase=gpu_phase,
                     phase_settings=RP.settings(strategy, phases or DEFAULT_PHASES))
+
+
+def _step_time(run: Setup, params, states, bufs, adapter) -> dict:
+    """memfit.steptime.step's figures for this call's facts."""
+    model, strategy, profile, method = run.model, run.strategy, run.profile, run.method
+    return T.step_time(model, run.hardware, strategy, profile, T.StepInputs(
+        engine=run.engine, p_t=params.trainable, adapted=params.adapted,
+        gather_bytes=states.compute_all if run.family == "fsdp" else states.weights_all,
+        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
+        meft_rows=adapter.rows, meft_traffic=method.traffic(model, strategy, profile),
+        fp32_stream=bool(params.fp32_stream), fsdp=bool(run.fsdp), prompt_tokens=method.prompt_tokens(model, strategy),
+        **run.optimizer_dtypes()))

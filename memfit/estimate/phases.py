@@ -149,6 +149,16 @@ def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
 ORDER = ("train_step", "load", "eval", "save")  # ties go to the training step
 
 
+def priced(run, x: PhaseInputs, phases: RunPhases, weights_all: float, trainable: float,
+           cpu: dict) -> tuple[dict, str, str]:
+    """(the phases' figures, the phase setting the GPU peak, the one setting the CPU peak); ``cpu["total"]``
+    becomes the largest phase's CPU RAM (the verdict's)."""
+    figures = run_phases(run, x, phases, weights_all, trainable)
+    gpu_phase, cpu_phase = peak_phase(figures, 0), peak_phase(figures, 1)
+    cpu["total"] = figures[cpu_phase][1]
+    return figures, gpu_phase, cpu_phase
+
+
 def peak_phase(figures: dict, which: int) -> str:
     """The run phase with the largest figure (0: per-GPU, 1: per-node CPU RAM); the training step on a tie."""
     return max((k for k in ORDER if k in figures), key=lambda k: figures[k][which])

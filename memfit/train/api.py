@@ -217,6 +217,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     from memfit.train.callbacks import MetricsWriter, StepStats
     from memfit.train.checkpoint import clean_staging, prepare_folders
     from memfit.train.data import prepare_datasets
+    from memfit.train.allocator import apply_allocator
     from memfit.train.model import build_model
     from memfit.train.trainer import build_trainer
 
@@ -229,15 +230,11 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
 
     run = with_launcher_version(run)  # `accelerate launch --config_file`: the FSDP version the file names
     engine = engines.for_run(run)
-    from memfit.train.allocator import apply_allocator
-
     allocator_note = apply_allocator(run.strategy)  # before CUDA allocates (the process group's NCCL too)
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
     model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
-    if allocator_note:
-        info.notes.append(allocator_note)
-    info.notes.append(phases_note(run))
+    info.notes += [n for n in (allocator_note, phases_note(run)) if n]
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
