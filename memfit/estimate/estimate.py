@@ -96,8 +96,8 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     # ---- run phases: loading, the step, evaluation, the save (memfit.estimate.phases) ----------------
     train_gpu = gpu_lines["total"] if gpu.is_cpu else firm
     figures, gpu_phase, cpu_phase = RP.priced(run, RP.phase_inputs(
-        run, states, bufs, saved, static, formula, gap.split, cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady),
-        phases or DEFAULT_PHASES, states.weights_all, params.trainable, cpu)
+        run, states, bufs, saved, static, formula, gap.split, cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady,
+        params, attention), phases or DEFAULT_PHASES, states.weights_all, params.trainable, cpu)
 
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
     timed = _step_time(run, params, states, bufs, adapter)

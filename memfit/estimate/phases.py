@@ -48,7 +48,8 @@ class PhaseInputs(NamedTuple):
     at_rest: float       # the same between steps (SHARD_GRAD_OP's parameters resharded after the backward)
     layer_bufs: float    # engine buffers held while a decoder layer's forward runs (its gathered unit + prefetch)
     held_bufs: float     # engine buffers held through the forward (FSDP's root / tail unit; autocast's copies)
-    layer_set: float     # one layer's forward working set at the training micro-batch
+    layer_set: float     # one layer's live set in a no_grad forward at the training micro-batch (forward_set)
+    hidden: float        # one hidden-wide tensor of the training micro-batch
     logits: float        # the logits line of the training micro-batch (loss, without a fused head gradient)
     split: float         # block splitting's waste, a fraction of allocated (memfit.estimate.cuda.gap_parts)
     fixed: float         # CUDA context + NCCL buffers
@@ -67,7 +68,8 @@ def eval_gpu(run, x: PhaseInputs, phases: RunPhases) -> float:
     scale = b / st.micro_batch_size
     e = run.value_b
     logit_b = (0.0 if e == 4.0 else e) + 8.0  # 16-bit logits + fp32 upcast and log-softmax (phase F's form)
-    logits = x.logits * scale * (1.0 if st.loss == "chunked" else logit_b / 12.0)
+    # the loss: its logits terms + the hidden states still held (the embeddings' output, the last layer's, the norm's)
+    logits = x.logits * scale * (1.0 if st.loss == "chunked" else logit_b / 12.0) + 3.0 * x.hidden * scale
     kept = 0.0
     if not ev.loss_only:
         kept = kept_batches(run, phases) * run.world * b * st.seq_len * run.model.vocab * e
@@ -132,8 +134,9 @@ def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
     mode = save_mode(run.strategy, phases.save.mode)
     train_cpu = x.baseline + x.steady
     load_cpu = x.baseline + max(x.loading, x.steady + x.unpinned)
-    if run.gpu.is_cpu:
-        return {"load": (x.train_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu)}
+    if run.gpu.is_cpu:  # evaluation at the allocator level: the step's heap holes stay, so RSS is the step's
+        return {"load": (x.train_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
+                "eval": (eval_gpu(run, x._replace(split=0.0, fixed=0.0), phases), train_cpu)}
     load_gpu = max(x.gpu_loading, x.weights) + x.fixed
     eval_cpu = train_cpu
     if not phases.eval.loss_only:  # get_arrays: every rank holds all of the logits as fp32 numpy at the end
@@ -164,16 +167,38 @@ def peak_phase(figures: dict, which: int) -> str:
     return max((k for k in ORDER if k in figures), key=lambda k: figures[k][which])
 
 
+def forward_set(run, params, tokens: float, resid_b: float, attention: str) -> float:
+    """One decoder layer's live set in a forward under ``torch.no_grad`` (nothing kept for backward), measured on
+    the demo model (fp32, 8 x 128: the profiler's live blocks at the peak): inside the MLP its three
+    intermediate-wide tensors (gated: the activation, the up projection and their product; two otherwise), or the
+    attention's (eager: the fp32 scores and their softmax copy), + four hidden-wide ones (the embeddings' output,
+    which LlamaModel.forward keeps in ``inputs_embeds``, the residual, the attention's output added, the norm's
+    output); with adapters the widest adapted linear's lora_B output before it is added (dropout is off in
+    ``model.eval()``). MoE experts run one after another on their share of the tokens."""
+    model, e = run.model, run.value_b
+    width = model.intermediate if not model.experts else (
+        model.intermediate - model.experts_per_token * model.moe_intermediate
+        + model.experts_per_token * model.moe_intermediate / model.experts)
+    mlp = (3 if model.mlp in ("swiglu", "geglu") else 2) * tokens * width * e
+    seq, d = run.strategy.seq_len, model.head_dim
+    if attention == "eager":  # transformers' eager_attention_forward: q·kᵀ and its scaled copy, the causal mask
+        # (batch x s x s), repeat_kv's copies of k and v at every head (grouped-query models), q and k after RoPE
+        attn = tokens * model.heads * seq * 2.0 * e + tokens * seq * e + tokens * (model.heads + model.kv_heads) * d * e
+        attn += 2.0 * tokens * model.heads * d * e if model.kv_heads < model.heads else 0.0
+    else:  # q, k, v and the rotary copies of q and k
+        attn = tokens * (2 * model.heads + 3 * model.kv_heads) * d * e
+    adapter = max((lin.out_features for lin in model.linears if lin.name in params.adapted), default=0) * tokens * e
+    return max(mlp + adapter, attn) + 4.0 * tokens * model.hidden * resid_b
+
+
 def phase_inputs(run, states, bufs, saved, static: float, formula: float, split: float, fixed: float,
-                 train_gpu: float, gpu_loading: float, cpu: dict, steady: float) -> PhaseInputs:
+                 train_gpu: float, gpu_loading: float, cpu: dict, steady: float, params,
+                 attention: str) -> PhaseInputs:
     """The step's figures the other run phases read (memfit.estimate.estimate's names)."""
     model, st = run.model, run.strategy
     e = run.value_b
     resid_b = 4.0 if (e == 4.0 or saved.autocast) else e
-    # one layer's forward set (what it would save, freed under no_grad as the next layer runs) + its input and
-    # output hidden states
-    layer = (saved.act_layers + saved.adapter.intermediates) / (1 if run.gc else max(model.layers, 1))
-    layer += 2.0 * st.micro_batch_size * st.seq_len * model.hidden * resid_b
+    layer = forward_set(run, params, st.micro_batch_size * st.seq_len, resid_b, attention)
     # the engine's units gathered for a forward, without the gradient buffers its layer buffers carry (FSDP1: a
     # unit's unsharded gradient + reduce-scatter output; FSDP2 and SHARD_GRAD_OP: the comm line)
     grads_in_layers = bufs.layer_comm if run.fsdp_version == 1 else (bufs.comm if run.fsdp else 0.0)
@@ -186,6 +211,7 @@ def phase_inputs(run, states, bufs, saved, static: float, formula: float, split:
     at_rest = static - (states.compute_all if run.strategy.fsdp == "shard_grad_op" else 0.0)
     return PhaseInputs(weights=states.weights, static=static, at_rest=at_rest, layer_bufs=layer_bufs,
                        held_bufs=held_bufs, layer_set=layer,
+                       hidden=st.micro_batch_size * st.seq_len * model.hidden * resid_b,
                        logits=saved.logits - saved.head_grad, split=split / formula if formula else 0.0,
                        fixed=fixed, train_gpu=train_gpu, gpu_loading=gpu_loading,
                        baseline=cpu["process_baseline"], steady=steady, loading=cpu["model_loading"],
