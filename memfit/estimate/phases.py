@@ -116,8 +116,8 @@ def save_gpu(run, x: PhaseInputs, mode: str, unit: float) -> float:
 def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: float) -> float:
     """Per node while saving: the processes and the offloaded lines + what rank 0 (or every rank) stages."""
     procs = run.hardware.gpus_per_node
-    if mode == "adapter":
-        staged = trainable * 4.0
+    if mode == "adapter":  # FSDP: every rank gathers the adapter (memfit's engines.fsdp.adapter_state_dict)
+        staged = trainable * 4.0 * (procs if run.fsdp else 1)
     elif mode == "sharded":
         staged = procs * weights_all / run.world / max(run.model.layers, 1)  # one unit's shard per rank
     elif run.fsdp or run.shard_weights:  # the whole state dict on rank 0 (ZeRO-3: consolidated in 16-bit)
@@ -129,8 +129,9 @@ def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: floa
 
 def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
                trainable: float) -> dict[str, tuple[float, float]]:
-    """{phase: (per-GPU bytes the card must hold, per-node CPU RAM)}; on the CPU pseudo-device the GPU figure is
-    the step's (one RAM: memfit.estimate.host.node_ram) and only loading and the step are priced."""
+    """{phase: (per-GPU bytes the card must hold, per-node CPU RAM)}; on the CPU pseudo-device (one RAM:
+    memfit.estimate.host.node_ram) loading and the step hold the step's figure, evaluation its allocator-level
+    peak, and the save is not priced."""
     mode = save_mode(run.strategy, phases.save.mode)
     train_cpu = x.baseline + x.steady
     load_cpu = x.baseline + max(x.loading, x.steady + x.unpinned)
