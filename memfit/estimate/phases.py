@@ -59,6 +59,7 @@ class PhaseInputs(NamedTuple):
     steady: float        # offloaded lines during training (per node)
     loading: float       # model loading (per node)
     unpinned: float      # FSDP1 + parameter offload: the unpinned shards its lazy init keeps (per node)
+    adapter_param: float = 0.0  # the largest trained adapter matrix in fp32 (lora_A / lora_B of the widest linear)
 
 
 def eval_gpu(run, x: PhaseInputs, phases: RunPhases) -> float:
@@ -113,13 +114,15 @@ def save_gpu(run, x: PhaseInputs, mode: str, unit: float) -> float:
     return (x.at_rest + gathered) * (1.0 + x.split) + x.fixed
 
 
-def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: float) -> float:
-    """Per node while saving: the processes and the offloaded lines + what rank 0 (or every rank) stages."""
-    procs = run.hardware.gpus_per_node
-    if mode == "adapter":  # FSDP: every rank gathers the adapter (memfit's engines.fsdp.adapter_state_dict)
-        staged = trainable * 4.0 * (procs if run.fsdp else 1)
-    elif mode == "sharded":
-        staged = procs * weights_all / run.world / max(run.model.layers, 1)  # one unit's shard per rank
+def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: float, rank0: bool = False) -> float:
+    """Per node while saving: the processes and the offloaded lines + what rank 0 (or every rank) stages;
+    ``rank0``: rank 0's share alone."""
+    procs = 1 if rank0 else run.hardware.gpus_per_node
+    if mode == "adapter":  # FSDP: every rank gathers the adapter (memfit's engines.fsdp.adapter_state_dict): its
+        # copies + the matrix being gathered and its collective's output buffer (measured on gloo, 2 ranks)
+        staged = (trainable * 4.0 + (2.0 * x.adapter_param if run.fsdp else 0.0)) * (procs if run.fsdp else 1)
+    elif mode == "sharded":  # torch.distributed.checkpoint writes item by item: the largest unit's shard per rank
+        staged = procs * unit_bytes(run, weights_all) / run.world
     elif run.fsdp or run.shard_weights:  # the whole state dict on rank 0 (ZeRO-3: consolidated in 16-bit)
         staged = weights_all if run.fsdp else run.total_params * run.value_b
     else:  # save_pretrained moves one file's GPU tensors to the CPU and keeps them alive
@@ -130,14 +133,19 @@ def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: floa
 def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
                trainable: float) -> dict[str, tuple[float, float]]:
     """{phase: (per-GPU bytes the card must hold, per-node CPU RAM)}; on the CPU pseudo-device (one RAM:
-    memfit.estimate.host.node_ram) loading and the step hold the step's figure, evaluation its allocator-level
-    peak, and the save is not priced."""
+    memfit.estimate.host.node_ram) loading and the step hold the step's figure, evaluation and the save (rank 0)
+    their allocator-level peaks."""
     mode = save_mode(run.strategy, phases.save.mode)
     train_cpu = x.baseline + x.steady
     load_cpu = x.baseline + max(x.loading, x.steady + x.unpinned)
-    if run.gpu.is_cpu:  # evaluation at the allocator level: the step's heap holes stay, so RSS is the step's
+    if run.gpu.is_cpu:  # evaluation and the save at the allocator level (rank 0's): the step's heap holes stay,
+        # so the RSS verdict is the step's
+        at_rest = x._replace(split=0.0, fixed=0.0)
         return {"load": (x.train_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
-                "eval": (eval_gpu(run, x._replace(split=0.0, fixed=0.0), phases), train_cpu)}
+                "eval": (eval_gpu(run, at_rest, phases), train_cpu),
+                "save": (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
+                         + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
+                         train_cpu)}
     load_gpu = max(x.gpu_loading, x.weights) + x.fixed
     eval_cpu = train_cpu
     if not phases.eval.loss_only:  # get_arrays: every rank holds all of the logits as fp32 numpy at the end
@@ -158,7 +166,10 @@ def priced(run, x: PhaseInputs, phases: RunPhases, weights_all: float, trainable
     """(the phases' figures, the phase setting the GPU peak, the one setting the CPU peak); ``cpu["total"]``
     becomes the largest phase's CPU RAM (the verdict's)."""
     figures = run_phases(run, x, phases, weights_all, trainable)
-    gpu_phase, cpu_phase = peak_phase(figures, 0), peak_phase(figures, 1)
+    # the CPU device's RAM verdict stays the step's: glibc keeps the step's heap (evaluation and the save are priced
+    # at the allocator level there, for memfit measure's comparisons)
+    gpu_phase = "train_step" if run.gpu.is_cpu else peak_phase(figures, 0)
+    cpu_phase = peak_phase(figures, 1)
     cpu["total"] = figures[cpu_phase][1]
     return figures, gpu_phase, cpu_phase
 
@@ -210,13 +221,15 @@ def phase_inputs(run, states, bufs, saved, static: float, formula: float, split:
         run.fsdp_version == 1 and run.offload_params and not run.gpu.is_cpu) else 0.0
     # SHARD_GRAD_OP's parameters kept unsharded from the forward to the backward are resharded after it
     at_rest = static - (states.compute_all if run.strategy.fsdp == "shard_grad_op" else 0.0)
+    adapter_param = 4.0 * run.strategy.lora_r * max(
+        (max(lin.in_features, lin.out_features) for lin in model.linears if lin.name in params.adapted), default=0)
     return PhaseInputs(weights=states.weights, static=static, at_rest=at_rest, layer_bufs=layer_bufs,
                        held_bufs=held_bufs, layer_set=layer,
                        hidden=st.micro_batch_size * st.seq_len * model.hidden * resid_b,
                        logits=saved.logits - saved.head_grad, split=split / formula if formula else 0.0,
                        fixed=fixed, train_gpu=train_gpu, gpu_loading=gpu_loading,
                        baseline=cpu["process_baseline"], steady=steady, loading=cpu["model_loading"],
-                       unpinned=unpinned)
+                       unpinned=unpinned, adapter_param=adapter_param if params.targets is not None else 0.0)
 
 
 def settings(strategy, phases: RunPhases) -> dict:
