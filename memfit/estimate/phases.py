@@ -71,12 +71,14 @@ def eval_gpu(run, x: PhaseInputs, phases: RunPhases) -> float:
     logit_b = (0.0 if e == 4.0 else e) + 8.0  # 16-bit logits + fp32 upcast and log-softmax (phase F's form)
     # the loss: its logits terms + the hidden states still held (the embeddings' output, the last layer's, the norm's)
     logits = x.logits * scale * (1.0 if st.loss == "chunked" else logit_b / 12.0) + 3.0 * x.hidden * scale
-    kept = 0.0
-    if not ev.loss_only:
-        kept = kept_batches(run, phases) * run.world * b * st.seq_len * run.model.vocab * e
     # a decoder layer's forward (its unit gathered) and the loss (the layers resharded) are not live together;
     # the root / tail units stay gathered (no backward comes to reshard them)
-    alloc = x.static + x.held_bufs + max(x.layer_bufs + x.layer_set * scale, logits) + kept
+    forward = max(x.layer_bufs + x.layer_set * scale, logits)
+    if not ev.loss_only:  # EvalLoopContainer.add: torch.cat(kept, new) each batch (eval_do_concat_batches): the
+        # last add holds the n - 1 batches kept, the new one and their concatenation; the forward before it, n - 1
+        n, gathered = kept_batches(run, phases), run.world * b * st.seq_len * run.model.vocab * e
+        forward = max(forward + (n - 1) * gathered, 2.0 * n * gathered)
+    alloc = x.static + x.held_bufs + forward
     return alloc * (1.0 + x.split) + x.fixed
 
 

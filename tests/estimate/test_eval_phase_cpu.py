@@ -44,3 +44,34 @@ def test_eval_forward_peak_within_5_percent(demo_model, method, b, s, attention)
     predicted = est.phases["eval"][0] - est.gpu["weights"] - est.gpu["optimizer"]
     measured = _measured(run, b, s)
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_trainer_evaluate_with_and_without_kept_logits_within_5_percent(demo_model, tmp_path, keep):
+    """transformers' Trainer.evaluate on 16 sequences at 4 per batch: loss only (no compute_metrics, memfit train's
+    way), or with compute_metrics, every batch's logits concatenated onto the kept ones (EvalLoopContainer)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from memfit.measure.alloc_events import raw_event_peak
+    from memfit.resolve import predict
+    from memfit.spec.run import run_from_dict
+
+    b, s, n = 4, 128, 16
+    model = AutoModelForCausalLM.from_pretrained(str(demo_model), dtype=torch.float32)
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 400, (s,)), "labels": torch.randint(0, 400, (s,))} for _ in range(n)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=b, use_cpu=True, report_to="none",
+                             disable_tqdm=True, remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, eval_dataset=rows,
+                      data_collator=lambda batch: {k: torch.stack([r[k] for r in batch]) for k in batch[0]},
+                      compute_metrics=(lambda p: {"n": float(len(p.predictions))}) if keep else None)
+    trainer.evaluate()  # warm
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.evaluate()
+    measured = raw_event_peak(prof.profiler.kineto_results, "cpu")
+    run = run_from_dict({"model": str(demo_model), "hardware": "local", "eval": {"loss_only": not keep, "examples": n},
+                         "strategy": {"method": "full", "precision": "fp32", "seq_len": s, "micro_batch_size": b}})
+    est = predict(run)
+    predicted = est.phases["eval"][0] - est.gpu["weights"] - est.gpu["optimizer"]
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
