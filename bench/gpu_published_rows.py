@@ -57,7 +57,7 @@ class Case:
     measured: float  # bytes (None for OOM rows)
     status: str  # success | oom | boundary
     reliability: str
-    overrides: dict = None  # Profile values the run itself set (e.g. expandable_segments)
+    overrides: dict = None  # Profile values the run itself set
 
 
 def _bytes(mem: dict) -> float:
@@ -264,10 +264,10 @@ def load_gpu_check(path: Path) -> list[Case]:
     hw = HardwareSpec(gpu=find_gpu(gpu), cpu_ram_bytes=2048 * GiB)
     cases = []
     for r in data["records"]:
-        st = Strategy(**r["run"]["strategy"])
-        env = r.get("env") or {}
-        over = ({"expandable_segments": 1.0} if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "")
-                else None)
+        env = r.get("env") or {}  # the check set the allocator's mode in the environment (memfit train: allocator)
+        expandable = "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        st = Strategy(**{**r["run"]["strategy"], **({"allocator": "expandable_segments"} if expandable else {})})
+        over = None
         m = r["measured"]
         for metric, key in (("allocated", "peak_allocated_bytes"), ("reserved", "peak_reserved_bytes")):
             cases.append(Case(f"{group}-{r['name']}" + ("" if metric == "allocated" else "#reserved"), group,

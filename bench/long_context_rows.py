@@ -96,7 +96,7 @@ class Case:
     published: float  # bytes, tokens, tokens/s, seconds or TFLOPS (as metric)
     per_gpu: bool = False  # tokens_per_s: per GPU (else the total over the pool)
     reliability: str = ""
-    overrides: dict = field(default_factory=dict)  # Profile values the run set (expandable_segments)
+    overrides: dict = field(default_factory=dict)  # Profile values the run set (none today: the allocator is a key)
     notes: list = field(default_factory=list)  # what the mapping approximates
 
     @property
@@ -307,6 +307,8 @@ def convert(row: dict) -> Case:
     if reasons:
         raise NotStated(reasons)
     hw = HardwareSpec(gpu=gpu, gpus_per_node=gpus // nodes, nodes=nodes, cpu_ram_bytes=_cpu_ram(row))
+    if lv.get("expandable_segments"):  # the run set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+        kw["allocator"] = "expandable_segments"
     try:
         strategy = Strategy(**kw)
     except Exception as err:  # pydantic: a combination memfit does not model
@@ -316,7 +318,7 @@ def convert(row: dict) -> Case:
     refused = check(model, hw, strategy)
     if refused:
         raise NotStated([f"memfit's rules refuse the published run: {r}" for r in refused])
-    overrides = {"expandable_segments": 1.0} if lv.get("expandable_segments") else {}
+    overrides: dict = {}
     return Case(row["id"], row.get("source_key") or "", model, hw, strategy, metric, value, per_gpu,
                 row.get("reliability") or "", overrides, notes)
 

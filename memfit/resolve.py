@@ -66,7 +66,8 @@ def predict(run: RunSpec, profile=None):
     from memfit.estimate import estimate
 
     r = resolve(run)
-    return estimate(r.model, r.hardware, r.strategy, profile=profile, distributed=run.distributed)
+    return estimate(r.model, r.hardware, r.strategy, profile=profile, distributed=run.distributed,
+                    phases=run.phases)
 
 
 def model_dir(name: str) -> Path | HubId:

@@ -12,6 +12,7 @@ import typer
 
 from memfit.cli import flags
 from memfit.cli.flags import int_list, pattern, positive, str_list
+from memfit.cli.phase_opts import EvalBatchOpt, EvalExamplesOpt, EvalLogitsOpt, SaveModeOpt, run_phases
 from memfit.errors import ConfigError, IncompatibleError
 from memfit.methods import METHODS
 from memfit.spec import context
@@ -101,6 +102,9 @@ def _strategy_options() -> dict[str, Any]:
                                         rich_help_panel=S),
         tiled_mlp=typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="DeepSpeed's TiledMLP: the MLP in "
                                "sequence tiles (ZeRO).", rich_help_panel=S),
+        allocator=typer.Option(None, "--allocator", help="default | expandable_segments (the CUDA caching "
+                               "allocator's mode; memfit train sets PYTORCH_CUDA_ALLOC_CONF): expandable "
+                               "segments hold no cached working sets.", rich_help_panel=S),
     )
 
 
@@ -163,6 +167,8 @@ def estimate_cmd(
         "(GPT-style s·b·h·(34+5as/h), as arXiv 2406.02290 uses)", rich_help_panel=M),
     rope_scaling: Optional[str] = RopeOpt,
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    eval_batch_size: Optional[int] = EvalBatchOpt, eval_keep_logits: bool = EvalLogitsOpt,
+    eval_examples: Optional[int] = EvalExamplesOpt, save_mode: Optional[str] = SaveModeOpt,
     **strategy_flags: Any,
 ) -> None:
     """Estimate per-GPU memory, CPU RAM and step time of ONE combination."""
@@ -173,7 +179,8 @@ def estimate_cmd(
     notes = context.notes(spec, seq_len, flags.rope_scaling(rope_scaling))  # RoPE past its trained length
     keys = _fixed_keys(**strategy_flags)
     keys.update(seq_len=seq_len, micro_batch_size=batch_size, grad_accum=grad_accum)
-    result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula)
+    result = estimate_one(spec, hw, keys, margin=margin, profile=prof, activation_formula=activation_formula,
+                          phases=run_phases(eval_batch_size, eval_keep_logits, eval_examples, save_mode))
     if result.rule_reasons:
         raise IncompatibleError(" Also: ".join(result.rule_reasons))
     if json_:
@@ -208,6 +215,8 @@ def plan_cmd(
                                         rich_help_panel=OUT),
     rope_scaling: Optional[str] = RopeOpt,
     margin: float = MarginOpt, profile: Optional[Path] = ProfileOpt, json_: bool = JsonOpt,
+    eval_batch_size: Optional[int] = EvalBatchOpt, eval_keep_logits: bool = EvalLogitsOpt,
+    eval_examples: Optional[int] = EvalExamplesOpt, save_mode: Optional[str] = SaveModeOpt,
     **strategy_flags: Any,
 ) -> None:
     """Try every combination of levers and recommend the fastest that fits (or search the GPU count)."""
@@ -220,7 +229,8 @@ def plan_cmd(
     scaling = flags.rope_scaling(rope_scaling)
     kwargs = dict(methods=str_list(methods), zero_stages=int_list(zero_stages, "--zero-stages"),
                   allow_offload=not no_offload, seq_len=seq_len, micro_batch_size=batch_size,
-                  grad_accum=grad_accum, margin=margin, fixed=fixed)
+                  grad_accum=grad_accum, margin=margin, fixed=fixed,
+                  phases=run_phases(eval_batch_size, eval_keep_logits, eval_examples, save_mode))
     if gpu is not None:
         from memfit.plan.gpu_count import gpu_count_search
         from memfit.spec.model import resolve_model

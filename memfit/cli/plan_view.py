@@ -53,7 +53,31 @@ def memory_table(d: dict, title: str = "Memory per GPU and CPU RAM per node (dec
         t.add_row("[bold]CPU RAM per node[/bold]", f"[bold]{_gb(cpu.get('total'))}[/bold]",
                   (f"peak while {phase}; " if phase else "")
                   + f"node has {_gb(d.get('hardware', {}).get('cpu_ram_bytes'))}")
+    if unit == "GPU" and len(mem.get("run_phases") or {}) > 2:
+        _phase_rows(t, mem)
     return t
+
+
+PHASE_TEXT = {"load": "loading", "train_step": "training step", "eval": "evaluation", "save": "checkpoint save"}
+
+
+def _phase_rows(t: Table, mem: dict) -> None:
+    """Run phases (memfit.estimate.phases): each one's per-GPU figure held against the card and the node's CPU
+    RAM; which sets each peak (the verdict holds the largest)."""
+    from memfit.estimate.phases import ORDER
+
+    phases, settings = mem["run_phases"], mem.get("phase_settings") or {}
+    ev, save = settings.get("eval") or {}, (settings.get("save") or {}).get("mode")
+    t.add_section()
+    t.add_row("[bold]run phases[/bold]", "GPU GB", "CPU GB per node; the verdict holds the largest")
+    cpu_peak = max((k for k in ORDER if k in phases), key=lambda k: phases[k]["cpu_bytes"])  # ties: the step
+    for name, fig in phases.items():
+        marks = [m for m, hit in (("sets the GPU peak", name == mem.get("gpu_peak_phase")),
+                                  ("sets the CPU peak", name == cpu_peak)) if hit]
+        kept = "loss only" if ev.get("loss_only", True) else "logits kept"
+        what = {"eval": f" (b {ev.get('batch_size')}, {kept})", "save": f" ({save})" if save else ""}.get(name, "")
+        t.add_row(f"  {PHASE_TEXT.get(name, name)}{what}", _gb(fig["gpu_bytes"]),
+                  f"{_gb(fig['cpu_bytes'])}" + (f"  [bold]{', '.join(marks)}[/bold]" if marks else ""))
 
 
 def _cuda_rows(t: Table, mem: dict) -> None:
@@ -63,12 +87,14 @@ def _cuda_rows(t: Table, mem: dict) -> None:
 
     t.add_row("  allocated (tensors)", _gb(mem.get("gpu_allocated_bytes")), "torch max_memory_allocated")
     t.add_row("  reserved (caching allocator)", _gb(mem.get("gpu_reserved_bytes")), "torch max_memory_reserved")
-    total, needed = mem.get("gpu_bytes", {}).get("total"), mem.get("gpu_needed_bytes")
+    total = mem.get("gpu_bytes", {}).get("total")
+    needed = (mem.get("run_phases") or {}).get("train_step", {}).get("gpu_bytes", mem.get("gpu_needed_bytes"))
     t.add_row("  nvidia-smi", _gb(total), "reserved + CUDA context + NCCL")
-    if needed is not None and total is not None and needed < total:  # the cache the allocator frees on demand
-        t.add_row("  held against the card", _gb(needed), "less the cache the allocator frees when the card is full")
+    if needed is not None and total is not None and needed < total:  # whole free segments, freed on demand
+        t.add_row("  held against the card", _gb(needed), "less the free segments the allocator releases when the "
+                  "card is full")
     else:
-        t.add_row("  held against the card", _gb(total), "all of it (the verdict's figure)")
+        t.add_row("  held against the card", _gb(total), "all of it (the step's verdict figure)")
     if mem.get("gpu_loading_bytes"):
         t.add_row("  while loading", _gb(mem["gpu_loading_bytes"]), "tensors while quantising to NF4 on the GPU")
     t.add_row("  attention kernel", "", f"SDPA backend assumed: {mem.get('attention_backend') or '-'}")
@@ -98,6 +124,8 @@ def summary_table(d: dict, hardware: Any) -> Table:
                               f"{_gb(hw.get('cpu_ram_bytes'))} GB CPU RAM per node)")
     keys = ["method", "zero_stage", "fsdp", "offload", "gradient_checkpointing", "attention", "optimizer",
             "precision", "micro_batch_size", "grad_accum", "seq_len", "loss"]
+    if not hardware.gpu.is_cpu:
+        keys.append("allocator")
     if s.get("method") in ("lora", "qlora"):
         keys += ["lora_r", "lora_targets"]
     if s.get("method") == "qlora":

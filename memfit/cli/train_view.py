@@ -39,6 +39,17 @@ def predicted_figures(pred: Optional[dict]) -> tuple[Optional[float], Optional[f
     return peak, step
 
 
+def predicted_process_ram(pred: Optional[dict]) -> Optional[float]:
+    """One process's RAM on the CPU device, as the planner predicts it: its "device" lines (tensors + glibc's heap
+    holes, memory.gpu_bytes.total) + its share of the node's process and offload lines (cpu_bytes.total) —
+    memfit.estimate.host.node_ram per process. What a process's peak RSS measures (#39)."""
+    try:
+        mem, procs = pred["memory"], int(pred["hardware"]["gpus_per_node"]) or 1
+        return float(mem["gpu_bytes"]["total"]) + float(mem["cpu_bytes"]["total"]) / procs
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _ratio(measured: Optional[float], predicted: Optional[float]) -> str:
     if not measured or not predicted:
         return ""
@@ -61,10 +72,12 @@ def summary_table(r: Any) -> Table:
         t.add_row("eval loss", f"{d['eval_loss']:.4f}", "", "")
     p_peak, p_step = predicted_figures(d.get("predicted"))
     kind = "peak RSS (process)" if d["peak_mem_kind"] == "peak_rss" else "peak allocated (CUDA)"
-    rss = d["peak_mem_kind"] == "peak_rss"  # the whole process: not comparable with a tensor estimate
+    rss = d["peak_mem_kind"] == "peak_rss"  # the whole process: compared with the process's predicted RAM
+    if rss:
+        p_peak = predicted_process_ram(d.get("predicted")) or p_peak
     t.add_row(f"peak memory, {kind}", human_bytes(d["peak_mem_bytes"]),
-              (human_bytes(p_peak) + (" (tensors)" if rss else "")) if p_peak else "—",
-              "n/a" if rss and p_peak else _ratio(d["peak_mem_bytes"], p_peak))
+              (human_bytes(p_peak) + (" (process RAM)" if rss else "")) if p_peak else "—",
+              _ratio(d["peak_mem_bytes"], p_peak))
     step = d.get("step_time_s")
     as_ran = d.get("predicted_step") or {}
     if as_ran.get("shape") == "padded":  # measured, then predicted at the batches' padded lengths and as planned
@@ -92,9 +105,9 @@ def print_summary(r: Any) -> None:
     d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
     console.print(summary_table(d))
     if d.get("peak_mem_kind") == "peak_rss":
-        console.print("[dim]On CPU the measured peak is the whole process's RSS (Python, libraries, "
-                      "allocator slack), the prediction counts tensors only; `memfit measure RUN.yaml` "
-                      "compares them at the allocator level.[/dim]")
+        console.print("[dim]On CPU the measured peak is the whole process's RSS; the prediction beside it is the "
+                      "process's RAM as the planner counts it (tensors + glibc's heap holes + the process "
+                      "baseline); `memfit measure RUN.yaml` also compares the tensors at the allocator level.[/dim]")
     if not d.get("predicted"):
         console.print("[dim]No prediction: the planner (memfit.estimate) gave none for this model here.[/dim]")
     else:

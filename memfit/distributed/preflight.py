@@ -98,7 +98,10 @@ def rule_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
     s = run.strategy
     if hardware.gpu.is_cpu and s.offload != "none":
         s = s.model_copy(update={"offload": "none"})
-    return list(check(model, hardware, s))
+    out = list(check(model, hardware, s))
+    if run.save.mode in ("sharded", "adapter"):  # FSDP1 on gloo fails in the full gather only (#39)
+        out = [r for r in out if not r.startswith("fsdp_version=1 on the CPU device")]
+    return out
 
 
 def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
@@ -117,12 +120,25 @@ def ram_reasons(run: RunSpec, model: Any, hardware: Any) -> list[str]:
 
 
 def planning_only(run: RunSpec) -> list[str]:
-    """Strategy keys that describe another stack for the estimate and that memfit's trainer does not run."""
+    """Keys that describe another stack for the estimate and that memfit's trainer does not run."""
+    from memfit.spec.phases import save_mode
+
+    out = []
     if run.strategy.hf_legacy_checkpoint:
-        return ["strategy.hf_legacy_checkpoint prices transformers < 4.52's reentrant checkpoint around each "
-                "layer (planning another stack); memfit trains with transformers 5's checkpoint inside each "
-                "layer: set it false"]
-    return []
+        out.append("strategy.hf_legacy_checkpoint prices transformers < 4.52's reentrant checkpoint around each "
+                   "layer (planning another stack); memfit trains with transformers 5's checkpoint inside each "
+                   "layer: set it false")
+    if not run.eval.loss_only:
+        out.append("eval.loss_only=false prices a Trainer that gathers logits for compute_metrics (planning another "
+                   "stack); memfit train has no metrics and evaluates the loss only: set it true")
+    done = save_mode(run.strategy)
+    runs = {done} | ({"sharded", "adapter"} if run.strategy.fsdp and run.strategy.trains_adapter else
+                     {"sharded"} if run.strategy.fsdp else set())
+    if run.save.mode not in runs | {None}:
+        out.append(f"save.mode={run.save.mode}: memfit train saves {run.strategy.engine} with "
+                   f"{run.strategy.method} as {' or '.join(sorted(runs))} (memfit.spec.phases.save_mode); leave "
+                   f"save.mode unset or set it to {done}")
+    return out
 
 
 def reasons(run: RunSpec) -> list[str]:

@@ -23,6 +23,8 @@ RETIRED = frozenset({"optimizer_step_temp_bytes_gpu",  # -> adamw_foreach_temp_c
                      "utilization", "utilization_half_tokens", "qlora_dequant_slowdown", "gpu_optimizer_seconds_per_param",
                      "utilization_attention_fused", "memory_bandwidth_efficiency", "default_memory_bandwidth",
                      "kernel_launch_seconds", "cpu_adam_params_per_second"})
+# switches older profiles may carry that became strategy keys (#39: strategy.allocator), ignored with a note
+MOVED_TO_STRATEGY = {"expandable_segments": "allocator: expandable_segments"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,6 @@ class Profile(TimeProfile):
     allocator_cached_layers: float = 0.75  # layer working sets the caching allocator keeps cached but cannot reuse for the loss/step's larger blocks (fitted on published runs and the H200 gpu-check: bench/gpu_published.py)
     allocator_cached_loss: float = 0.75  # fraction of the loss's logits-sized blocks still reserved when the optimizer step is the peak (fitted on every group of published runs + the H200 gpu-check, as the two above: bench/gpu_published.py; was 0.5, moved off the fit for one fms-acceleration row)
     fragmentation_offload: float = 0.0  # + fraction of allocated with offload (side streams keep their own pools; GMLake: up to ~33 %)
-    expandable_segments: float = 0.0  # 1.0: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (freed pages remapped: no cached-layer term)
     # CPU pseudo-device: glibc malloc (as `memfit train` runs it: no MALLOC_* settings) serves tensors under its mmap
     # threshold (dynamic, up to 32 MiB: malloc/malloc.c DEFAULT_MMAP_THRESHOLD_MAX) from the brk heap, which shrinks
     # only from its top: the holes freed tensors leave stay resident, so peak RSS = baseline + tensor peak + these.
@@ -85,8 +86,9 @@ class Profile(TimeProfile):
     process_baseline_bytes: float = 2.0 * GiB  # resident size of a Python+torch(+CUDA libs) training process before the model
     process_baseline_bytes_cpu: float = 0.6e9  # CPU pseudo-device: peak RSS − allocator peak of a CPU-only torch+transformers process (bench/measure_grid.py: 578–610 MB)
     process_baseline_dist_cpu: float = 0.12e9  # CPU pseudo-device, world > 1: + gloo process group and engine imports per rank (bench/measure_grid.py 2-process rows: 700–750 MB)
-    pinned_buffer_bytes: float = 1.0 * GiB  # pinned staging buffers per process when offloading
+    pinned_buffer_bytes: float = 1.0 * GiB  # DeepSpeed offload: pinned staging buffers per process (guess; FSDP pins its shards and gradient buffers instead: memfit.estimate.pinned)
     checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init
+    save_shard_bytes: float = 50e9  # one safetensors file a save holds on the CPU when the engine hands it GPU tensors: transformers 5.24 save_pretrained max_shard_size="50GB" (modeling_utils.py:3325), safetensors _flatten_as_ptr moves each to the CPU and keeps it alive for the file
     # ---- bookkeeping --------------------------------------------------------------------------------
     calibrated: dict = field(default_factory=dict, compare=False)  # name -> measured relative error after calibration
     notes: str = ""
@@ -98,7 +100,7 @@ class Profile(TimeProfile):
     @classmethod
     def flag_names(cls) -> list[str]:
         """0/1 switches, not quantities: a calibration should leave them alone."""
-        return ["activation_korthikanti", "qlora_fp32_upcast", "expandable_segments", "zero_overlap_comm"]
+        return ["activation_korthikanti", "qlora_fp32_upcast", "zero_overlap_comm"]
 
     @classmethod
     def calibratable_names(cls) -> list[str]:
@@ -120,17 +122,21 @@ class Profile(TimeProfile):
         known = set(cls.constant_names())
         values: dict[str, Any] = {}
         for key, value in raw.items():
-            if key in ("calibrated", "notes") or key in RETIRED:
+            if key in ("calibrated", "notes") or key in RETIRED or key in MOVED_TO_STRATEGY:
                 continue
             if key not in known:
                 raise ConfigError(f"{source}: unknown constant {key!r}; known: {', '.join(sorted(known))}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
             values[key] = float(value)
+        notes = str(raw.get("notes") or "")
+        for key, strategy_key in MOVED_TO_STRATEGY.items():  # a profile saved before the switch moved
+            if raw.get(key):
+                notes = (notes + "; " if notes else "") + f"{key}={raw[key]} ignored: a strategy key now ({strategy_key})"
         calibrated = raw.get("calibrated") or {}
         if not isinstance(calibrated, dict):
             raise ConfigError(f"{source}: 'calibrated' must map constant names to measured errors")
-        return cls(**values, calibrated=dict(calibrated), notes=str(raw.get("notes") or ""))
+        return cls(**values, calibrated=dict(calibrated), notes=notes)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

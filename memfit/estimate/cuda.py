@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from memfit.estimate.constants import Profile
 from memfit.spec.hardware import GpuSpec, HardwareSpec
 from memfit.spec.model import ModelSpec
@@ -84,36 +86,80 @@ def nccl_bytes(hardware: HardwareSpec, p: Profile) -> float:
     return (p.nccl_buffer_bytes if nvlink else p.nccl_buffer_pcie_bytes) + extra
 
 
-def reserved_gap(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile) -> float:
-    """Reserved − allocated at the peak. The caching allocator keeps every freed block: a layer's forward
-    and backward temporaries (with checkpointing its recomputation's) are freed into blocks that the loss's
-    and the step's differently sized tensors do not fit, which get fresh segments:
-    ``allocator_cached_layers`` x that working set. ``loss_blocks``: the loss's logits-sized blocks when the
-    optimizer step is the peak; freed before it, ``allocator_cached_loss`` of them stay reserved beside the
-    gradients and step temporaries (measured on an H200 with checkpointing: full fine-tuning of 1B/3B
-    reserved the whole logits line on top of the step's peak). On top, block splitting and rounding waste
-    ``fragmentation`` of the allocated bytes, and offload's side streams keep their own pools.
-    ``expandable_segments`` maps freed pages into growing segments (torchtune #1185: 16.39 -> 10.83 GiB
-    reserved with checkpointing; no change measured without it): the cached terms go."""
-    if p.expandable_segments:
-        cached = 0.0
-    else:
-        cached = p.allocator_cached_layers * layer_working_set + p.allocator_cached_loss * loss_blocks
+class Gap(NamedTuple):
+    """Reserved − allocated at the peak, by what a failed ``cudaMalloc`` can give back (``reserved_gap``)."""
+    split: float    # block splitting's and rounding's waste inside segments in use: never released
+    pinned: float   # cached blocks in segments that also hold live tensors: released only with their segment
+    whole: float    # cached segments with nothing live in them: freed on a failed cudaMalloc, then retried
+
+    @property
+    def total(self) -> float:
+        return self.split + self.pinned + self.whole
+
+    @property
+    def firm(self) -> float:
+        """What the card must hold beyond the allocated bytes: the gap less the segments the allocator frees."""
+        return self.split + self.pinned
+
+
+def reserved_gap(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile,
+                 expandable: bool = False) -> float:
+    """Reserved − allocated at the peak (``gap_parts``' total)."""
+    return gap_parts(allocated, layer_working_set, loss_blocks, offload, p, expandable=expandable).total
+
+
+def gap_parts(allocated: float, layer_working_set: float, loss_blocks: float, offload: bool, p: Profile,
+              step_is_peak: bool = False, expandable: bool = False) -> Gap:
+    """Reserved − allocated at the peak, split by what the allocator can give back when the card is full.
+
+    The caching allocator keeps every freed block: a layer's forward and backward temporaries (with
+    checkpointing its recomputation's) are freed into blocks that the loss's and the step's differently sized
+    tensors do not fit, which get fresh segments: ``allocator_cached_layers`` x that working set.
+    ``loss_blocks``: the loss's logits-sized blocks when the optimizer step is the peak; freed before it,
+    ``allocator_cached_loss`` of them stay reserved beside the gradients and step temporaries (measured on an
+    H200 with checkpointing: full fine-tuning of 1B/3B reserved the whole logits line on top of the step's peak).
+    On top, block splitting and rounding waste ``fragmentation`` of the allocated bytes, and offload's side
+    streams keep their own pools.
+
+    What a failed ``cudaMalloc`` gets back (torch 2.13 ``c10/cuda/CUDACachingAllocator.cpp``): ``malloc``
+    retries after ``release_available_cached_blocks`` and ``release_cached_blocks``, and both free only
+    *unsplit* blocks (``release_blocks``: "Frees all non-split blocks", ``if (!block->prev && !block->next)``;
+    ``release_available_cached_blocks`` returns at once while ``max_split_size`` is unlimited, the default). A
+    block is split whenever the remainder exceeds 1 MiB in the large pool (``should_split``), and a freed block
+    merges only with free neighbours (``free_block``). So:
+
+    - at a peak inside the forward or backward, a layer's working set is freed into segments that the tensors
+      allocated after it (the next layer's input kept by checkpointing, the gradients) are carved from by best
+      fit: split segments with live blocks, which no retry releases (``pinned``);
+    - at the optimizer step's peak (``step_is_peak``) every activation is freed, and what the step allocates
+      (its temporaries; the optimizer's states at the first step) is carved from those blocks by the same best
+      fit: what stays cached there is released or reused, not held (``whole``) — fms-acceleration's Mistral-7B
+      full fine-tune at micro-batch 8 (a step peak) measured 76.5 GB ``nvidia-smi`` on 85 GB, 4 GB under its
+      batch-4 twin;
+    - the loss's logits-sized tensors (each above ``kMinLargeAlloc``, 10 MiB: a ``cudaMalloc`` of its own size
+      rounded to 2 MiB) are segments of their own, wholly free after the loss's backward: released (``whole``);
+    - block splitting's waste sits in segments in use (``split``).
+
+    ``expandable`` (the strategy's ``allocator: expandable_segments``, ``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True``; the same file's Note [Expandable Segments]): one segment per stream grows by
+    20 MiB pages (2 MiB in the small pool) and new blocks tile into it by the same best fit, so the slivers a
+    larger batch leaves at the ends of per-tensor segments are not made; on a failed allocation
+    ``release_blocks`` unmaps every free page of it, split or not (``unmap_block``). So the cached terms go
+    (torchtune #1185: 16.39 -> 10.83 GiB reserved with checkpointing; memfit's H200 check measured no change
+    without checkpointing) and only the splitting waste inside pages in use stays."""
     frac = p.fragmentation + (p.fragmentation_offload if offload else 0.0)
-    return cached + frac * allocated
+    if expandable:
+        return Gap(frac * allocated, 0.0, 0.0)
+    layers, loss = p.allocator_cached_layers * layer_working_set, p.allocator_cached_loss * loss_blocks
+    return Gap(frac * allocated, 0.0, layers + loss) if step_is_peak else Gap(frac * allocated, layers, loss)
 
 
-def cap_cached(gap: float, allocated: float, fixed: float, capacity: float, offload: bool, p: Profile) -> float:
-    """The reserved − allocated gap a card can hold. What the allocator keeps cached (``reserved_gap``'s cached
-    terms) is released when the device runs out: on a failed cudaMalloc the caching allocator frees its
-    unused cached blocks and retries before it reports out of memory (c10/cuda/CUDACachingAllocator.cpp
-    ``malloc``: ``release_available_cached_blocks`` then ``release_cached_blocks`` and ``alloc_block`` again).
-    So the cache fills at most what the card has left beside the allocated bytes, block splitting's waste
-    (``fragmentation``, not releasable: split blocks still in use) and ``fixed`` (CUDA context, NCCL); a run
-    whose cache would overflow runs, paying the retries' synchronising frees in time."""
-    firm = (p.fragmentation + (p.fragmentation_offload if offload else 0.0)) * allocated
-    room = capacity - allocated - firm - fixed
-    return firm + min(max(gap - firm, 0.0), max(room, 0.0))
+def cap_cached(gap: Gap, allocated: float, fixed: float, capacity: float) -> float:
+    """The reserved − allocated gap a card of ``capacity`` shows: what cannot be released in full, the whole
+    free segments only up to what the card leaves beside it (the allocator frees them and retries when the
+    device runs out, paying the retries' synchronising frees in time)."""
+    room = capacity - allocated - gap.firm - fixed
+    return gap.firm + min(gap.whole, max(room, 0.0))
 
 
 def qlora_loading_peak(model: ModelSpec, quantized: bool, sharded: bool, quant_state: float, nums, half: float,

@@ -20,6 +20,7 @@ from typing import Optional
 
 from memfit.estimate import cuda as CU
 from memfit.estimate import longctx as LC
+from memfit.estimate import phases as RP
 from memfit.steptime import step as T
 from memfit.estimate.constants import Profile
 from memfit.estimate.host import cpu_lines, verdict
@@ -32,13 +33,16 @@ from memfit.estimate.states import engine_buffers, model_states
 from memfit.methods import METHODS
 from memfit.spec.hardware import HardwareSpec
 from memfit.spec.model import ModelSpec, lora_target_reason
+from memfit.spec.phases import DEFAULT_PHASES, RunPhases
 from memfit.spec.strategy import Strategy
 
 
 def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profile: Optional[Profile] = None,
-             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None) -> Estimate:
+             margin: float = 0.05, activation_formula: Optional[str] = None, distributed=None,
+             phases: Optional[RunPhases] = None) -> Estimate:
     """Estimate one combination. ``activation_formula``: None/"derived" or "korthikanti" (GPT-style).
-    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed."""
+    ``distributed``: the run's ``distributed`` settings (reduce/allgather bucket sizes) for DeepSpeed.
+    ``phases``: the run's ``eval`` and ``save`` keys (memfit.spec.phases; None: memfit train's defaults)."""
     profile = profile_for(profile, model, strategy, activation_formula, distributed, margin)
     method = METHODS[strategy.method]
     # sequence / context parallelism: each rank runs seq_len / N tokens of a sample (memfit.estimate.longctx)
@@ -75,12 +79,10 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
     formula = static + peak.phase
     cuda_ctx = CU.context_bytes(gpu, profile)
     nccl = CU.nccl_bytes(hardware, profile)
-    frag = fragmentation(run, params, saved, peak, formula)
-    if not gpu.is_cpu:  # the cache never holds more than the card leaves (the allocator frees it and retries)
-        frag = CU.cap_cached(frag, formula, cuda_ctx + nccl, gpu.memory_bytes,
-                             run.offload_optimizer or run.offload_params, profile)
-    firm = formula + cuda_ctx + nccl + CU.cap_cached(frag, formula, cuda_ctx + nccl, 0.0,
-                                                     run.offload_optimizer or run.offload_params, profile)
+    gap = fragmentation(run, params, saved, peak, formula)
+    # the cache a card shows: whole free segments only up to the card (freed and retried when it runs out)
+    frag = gap.total if gpu.is_cpu else CU.cap_cached(gap, formula, cuda_ctx + nccl, gpu.memory_bytes)
+    firm = formula + cuda_ctx + nccl + gap.firm  # what the card must hold: the verdict's figure
     overhead = cuda_ctx + nccl + frag
     gpu_lines = {"weights": states.weights, "gradients": grads_line, "optimizer": states.optim,
                  "activations": acts, "logits": saved.logits, "lora_intermediates": adapter.intermediates,
@@ -98,28 +100,41 @@ def estimate(model: ModelSpec, hardware: HardwareSpec, strategy: Strategy, profi
         steady += cpu["offloaded_activations"]
         cpu["total"] = cpu["process_baseline"] + max(steady, cpu["model_loading"])
 
+    # ---- run phases: loading, the step, evaluation, the save (memfit.estimate.phases) ----------------
+    train_gpu = gpu_lines["total"] if gpu.is_cpu else firm
+    figures, gpu_phase, cpu_phase = RP.priced(run, RP.phase_inputs(
+        run, states, bufs, saved, static, formula, gap.split, cuda_ctx + nccl, train_gpu, gpu_loading, cpu, steady,
+        params, attention), phases or DEFAULT_PHASES, states.weights_all, params.trainable, cpu)
+
     # ---- time (memfit.steptime.step: parts at measured or catalog speeds) ----------------------
-    timed = T.step_time(model, hardware, run.strategy, profile, T.StepInputs(
-        engine=run.engine, p_t=params.trainable, tensors=params.tensors, adapted=params.adapted,
-        gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
-        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
-        reduce_bucket=profile.zero_reduce_bucket_per_h2 * model.hidden ** 2,
-        meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic, offload_bytes=lc.moved,
-        fp32_stream=bool(params.fp32_stream), prompt_tokens=method.prompt_tokens(model, strategy),
-        **run.optimizer_dtypes()))
+    timed = _step_time(run, params, states, bufs, adapter, lc.moved)
 
     # ---- verdict --------------------------------------------------------------------------------
     usable = gpu.memory_bytes * (1.0 - margin)
-    # the verdict on what the card must hold: the cached blocks beyond the allocated bytes are released on demand
-    reasons += verdict(run, gpu_lines["total"] if gpu.is_cpu else firm, cpu["total"], gpu_loading, cuda_ctx, margin,
-                       usable)
+    # the verdict on what the card must hold in its largest run phase (the step: less the whole free segments)
+    reasons += verdict(run, figures[gpu_phase][0], cpu["total"], gpu_loading, cuda_ctx, margin, usable, gpu_phase,
+                       cpu_phase)
     frozen = params.frozen_bytes if not method.trains_base else run.total_params * run.value_b
     return Estimate(model=model, hardware=hardware, strategy=strategy, gpu=gpu_lines,
                     gpu_overhead={"cuda_context": cuda_ctx, "nccl_buffers": nccl, "allocator_fragmentation": frag},
-                    cpu=cpu, cpu_phase="loading" if cpu["model_loading"] > steady else "training",
+                    cpu=cpu, cpu_phase=RP.NAMES[cpu_phase],
                     time=timed["time"], traffic=timed["traffic"], fits=not reasons, reasons=reasons,
                     trainable_parameters=params.trainable + params.outside,
                     floor_memory=frozen / (run.world if run.shard_weights else 1),
                     floor_seconds=timed["floor_seconds"], margin=margin, usable_gpu_bytes=usable,
                     attention_backend=backend, gpu_loading=gpu_loading,
-                    gpu_needed=gpu_lines["total"] if gpu.is_cpu else firm)
+                    gpu_needed=figures[gpu_phase][0], phases=figures, gpu_phase=gpu_phase,
+                    phase_settings=RP.settings(strategy, phases or DEFAULT_PHASES))
+
+
+def _step_time(run: Setup, params, states, bufs, adapter, offloaded: float) -> dict:
+    """memfit.steptime.step's figures for this call's facts."""
+    model, strategy, profile, method = run.model, run.strategy, run.profile, run.method
+    return T.step_time(model, run.hardware, strategy, profile, T.StepInputs(
+        engine=run.engine, p_t=params.trainable, tensors=params.tensors, adapted=params.adapted,
+        gather_bytes=states.compute_all if run.engine.gathers_compute_copy else states.weights_all,
+        g_comm=bufs.grad_comm_b, w_comm=min(run.weight_b, run.value_b), shard_o=run.shard_optim,
+        reduce_bucket=profile.zero_reduce_bucket_per_h2 * model.hidden ** 2,
+        meft_rows=adapter.rows, router=adapter.router, meft_traffic=adapter.traffic, offload_bytes=offloaded,
+        fp32_stream=bool(params.fp32_stream), prompt_tokens=method.prompt_tokens(model, strategy),
+        **run.optimizer_dtypes()))

@@ -10,7 +10,9 @@ def cpu_lines(run: Setup, states: States, meft_store: float) -> tuple[dict[str, 
     """(CPU RAM lines per node, the steady-state part): the processes' baseline + max(steady state with
     offload, model loading)."""
     p, procs, gpu = run.profile, run.hardware.gpus_per_node, run.gpu
-    pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu else 0.0
+    # DeepSpeed's offload stages through pinned buffers of its own; FSDP's pinned blocks (the shards and the
+    # _cpu_grad staging each unit pre-allocates) are the offloaded lines themselves (memfit.estimate.pinned)
+    pinned = p.pinned_buffer_bytes if run.offload_optimizer and not gpu.is_cpu and not run.fsdp else 0.0
     steady = procs * (states.cpu_optim + states.cpu_grads + states.cpu_params + pinned + meft_store)
     # memfit's trainer loads full fine-tuning under mixed precision in fp32 (autocast keeps fp32 masters)
     load_b = 4.0 if run.precision == "fp32" or (run.method.trains_base and run.precision in ("fp16-mixed",
@@ -52,8 +54,11 @@ def node_ram(per_node: int, device_bytes: float, host_bytes: float) -> float:
 
 
 def verdict(run: Setup, gpu_total: float, cpu_total: float, gpu_loading: float, cuda_ctx: float, margin: float,
-            usable: float) -> list[str]:
-    """Why the run does not fit (empty: it fits)."""
+            usable: float, gpu_phase: str = "train_step", cpu_phase: str = "train_step") -> list[str]:
+    """Why the run does not fit (empty: it fits). ``gpu_total`` / ``cpu_total``: the largest run phase's
+    figures (memfit.estimate.phases), named by ``gpu_phase`` / ``cpu_phase``."""
+    from memfit.estimate.phases import NAMES
+
     gpu, hardware, per_node = run.gpu, run.hardware, run.hardware.gpus_per_node
     reasons = []
     if gpu.is_cpu:  # one RAM holds every process's "device" lines and the process/offload lines
@@ -64,16 +69,18 @@ def verdict(run: Setup, gpu_total: float, cpu_total: float, gpu_loading: float, 
                            f"{cpu_total / 1e9:.2f}), usable {usable / 1e9:.2f} GB; "
                            f"over by {(need - usable) / 1e9:.2f} GB")
         return reasons
-    if gpu_total > usable:
-        reasons.append(f"GPU memory: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
-                       f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
-    elif gpu_loading + cuda_ctx > usable:
+    when = "" if gpu_phase == "train_step" else f" while {NAMES[gpu_phase]}"
+    if gpu_total > usable and gpu_phase == "load" and gpu_loading + cuda_ctx >= gpu_total - 1.0:
         reasons.append("GPU memory while loading: quantising to NF4 holds "
-                       f"{(gpu_loading + cuda_ctx) / 1e9:.2f} GB "
+                       f"{gpu_total / 1e9:.2f} GB "
                        f"per GPU before training starts, "
-                       f"usable {usable / 1e9:.2f} GB; over by {(gpu_loading + cuda_ctx - usable) / 1e9:.2f} GB")
+                       f"usable {usable / 1e9:.2f} GB; over by {(gpu_total - usable) / 1e9:.2f} GB")
+    elif gpu_total > usable:
+        reasons.append(f"GPU memory{when}: needs {gpu_total / 1e9:.2f} GB per GPU, usable {usable / 1e9:.2f} GB "
+                       f"({gpu.name} x (1 - margin {margin:g})); over by {(gpu_total - usable) / 1e9:.2f} GB")
     if cpu_total > hardware.cpu_ram_bytes:
-        reasons.append(f"CPU RAM: needs {cpu_total / 1e9:.2f} GB per node, have {hardware.cpu_ram_bytes / 1e9:.2f} GB "
-                       "(set --cpu-ram if the node has more); "
+        when = "" if cpu_phase in ("train_step", "load") else f" while {NAMES[cpu_phase]}"
+        reasons.append(f"CPU RAM{when}: needs {cpu_total / 1e9:.2f} GB per node, have "
+                       f"{hardware.cpu_ram_bytes / 1e9:.2f} GB (set --cpu-ram if the node has more); "
                        f"over by {(cpu_total - hardware.cpu_ram_bytes) / 1e9:.2f} GB")
     return reasons

@@ -144,8 +144,8 @@ def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp
     return Peak(phase, held, phases[-1][0], mask, accum)
 
 
-def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, formula: float) -> float:
-    """The allocator's gap between reserved and allocated memory at the peak."""
+def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, formula: float) -> CU.Gap:
+    """The allocator's gap between reserved and allocated memory at the peak (on the CPU: all ``split``)."""
     model, p, st = run.model, run.profile, run.strategy
     if run.gpu.is_cpu:  # glibc's brk heap: the holes freed tensors leave stay resident (constants.py); they
         # follow the layers' activations each micro-batch allocates (all layers' saved set without checkpointing;
@@ -153,7 +153,7 @@ def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, form
         layer = ((saved.act_layers + saved.adapter.intermediates)
                  / (p.checkpoint_extra_layers if run.gc else model.layers))
         frac = p.fragmentation_cpu if run.method.trains_base else p.fragmentation_cpu_adapters
-        return p.fragmentation_cpu_bytes + frac * layer * model.layers
+        return CU.Gap(p.fragmentation_cpu_bytes + frac * layer * model.layers, 0.0, 0.0)
     # the caching allocator: reserved = allocated + what it keeps cached (one layer's working set)
     working_set = (saved.act_layers + saved.adapter.intermediates) / (
         p.checkpoint_extra_layers if run.gc else model.layers)
@@ -164,5 +164,6 @@ def fragmentation(run: Setup, params: Parameters, saved: Saved, peak: Peak, form
     # + one layer's backward transients (gradients of its MLP/attention), freed and cached the same way;
     # when the optimizer step is the peak, the loss's blocks (the logits line) stay reserved beside it
     step_is_peak = peak.step_phase >= peak.phase
-    return CU.reserved_gap(formula, working_set + saved.act_bwd - peak.mask, saved.logits if step_is_peak else 0.0,
-                           run.offload_optimizer or run.offload_params, p)
+    return CU.gap_parts(formula, working_set + saved.act_bwd - peak.mask, saved.logits if step_is_peak else 0.0,
+                        run.offload_optimizer or run.offload_params, p, step_is_peak,
+                        expandable=st.allocator == "expandable_segments")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memfit.estimate.accuracy import published_error, run_kind
 from memfit.steptime.speeds import GPU_PARTS
@@ -22,11 +22,14 @@ class Estimate:
 
     __slots__ = ("model", "hardware", "strategy", "gpu", "gpu_overhead", "cpu", "cpu_phase", "time",
                  "traffic", "fits", "reasons", "trainable_parameters", "floor_memory", "floor_seconds",
-                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading", "gpu_needed")
+                 "margin", "usable_gpu_bytes", "attention_backend", "gpu_loading", "gpu_needed", "phases",
+                 "gpu_phase", "phase_settings")
 
     def __init__(self, model, hardware, strategy, gpu, gpu_overhead, cpu, cpu_phase, time, traffic, fits,
                  reasons, trainable_parameters, floor_memory, floor_seconds, margin, usable_gpu_bytes,
-                 attention_backend: str = "", gpu_loading: float = 0.0, gpu_needed: float = 0.0) -> None:
+                 attention_backend: str = "", gpu_loading: float = 0.0, gpu_needed: float = 0.0,
+                 phases: Optional[dict] = None, gpu_phase: str = "train_step",
+                 phase_settings: Optional[dict] = None) -> None:
         self.model, self.hardware, self.strategy = model, hardware, strategy
         self.gpu, self.gpu_overhead, self.cpu, self.cpu_phase = gpu, gpu_overhead, cpu, cpu_phase
         self.time, self.traffic, self.fits, self.reasons = time, traffic, fits, reasons
@@ -35,9 +38,13 @@ class Estimate:
         self.margin, self.usable_gpu_bytes = margin, usable_gpu_bytes
         self.attention_backend = attention_backend
         self.gpu_loading = gpu_loading  # tensors on a GPU while loading, when that can exceed training
-        # what the card must hold (the verdict's figure): gpu_total less the cached blocks the allocator frees
-        # when the device runs out (memfit.estimate.cuda.cap_cached); 0: gpu_total
+        # what the card must hold (the verdict's figure): gpu_total less the wholly free cached segments the
+        # allocator releases when the device runs out (memfit.estimate.cuda.gap_parts); 0: gpu_total
         self.gpu_needed = gpu_needed or gpu["total"]
+        # run phases (memfit.estimate.phases): {phase: (per-GPU bytes held, per-node CPU RAM)}; the largest sets
+        # gpu_needed and cpu["total"]
+        self.phases = phases or {"train_step": (self.gpu_needed, cpu["total"])}
+        self.gpu_phase, self.phase_settings = gpu_phase, phase_settings or {}
 
     @property
     def gpu_allocated(self) -> float:
@@ -90,8 +97,10 @@ class Estimate:
                 "gpu_reserved_bytes": int(round(self.gpu_reserved)),
                 "held_against_capacity": "gpu_bytes.total = reserved + CUDA context + NCCL buffers",
                 "gpu_needed_bytes": int(round(self.gpu_needed)),
-                "needed": "gpu_needed_bytes = what the verdict holds against the usable memory: gpu_bytes.total "
-                          "less the cached blocks the caching allocator frees and retries with when the card is full",
+                "needed": "gpu_needed_bytes = what the verdict holds against the usable memory: the largest run "
+                          "phase's figure (run_phases, gpu_peak_phase); the training step's is gpu_bytes.total "
+                          "less the wholly free cached segments the caching allocator releases and retries with when "
+                          "the card is full (split segments holding live blocks are never released)",
                 "attention_backend": self.attention_backend,
                 "gpu_loading_bytes": int(round(self.gpu_loading)),
                 "published_error": published_error(run_kind(self.strategy.method, self.strategy.zero_stage,
@@ -101,6 +110,10 @@ class Estimate:
                 "margin": self.margin,
                 "cpu_bytes": {k: int(round(v)) for k, v in self.cpu.items()},
                 "cpu_peak_phase": self.cpu_phase,
+                "run_phases": {k: {"gpu_bytes": int(round(g)), "cpu_bytes": int(round(c))}
+                               for k, (g, c) in self.phases.items()},
+                "gpu_peak_phase": self.gpu_phase,
+                "phase_settings": self.phase_settings,
             },
             "time": {**self.time, "step_is": "one optimizer step (grad_accum micro-batches per GPU)",
                      "published_error": published_time_error(run_kind(

@@ -66,8 +66,11 @@ def model_states(run: Setup, params: Parameters) -> States:
         weights = quant_state
         if run.engine.pinned_offload and not run.gpu.is_cpu:  # pinned blocks, as the allocator rounds them
             root_b = F1.root_parameters(run.model) * (run.weight_b if run.method.trains_base else run.value_b)
+            units = P.adapter_units(run.model, params.adapted, run.strategy.lora_r) \
+                if run.method.fsdp_adapter_units and run.fsdp_version == 1 else ()
             cpu_params, cpu_grads = P.fsdp_offload(run, max(weights_all - quant_state - root_b, 0.0), root_b,
-                                                   trainable * 4.0)
+                                                   trainable * 4.0, units,
+                                                   trainable * run.weight_b if units else 0.0)
     weights += params.working_weight  # QLoRA: a dequantised linear, whatever the offload
     return States(weights, grads, optim, cpu_optim, cpu_grads, cpu_params, autocast_copy, weights_all, compute_all)
 

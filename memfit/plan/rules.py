@@ -71,7 +71,8 @@ def _offload(model: Any, hw: Any, s: Strategy) -> str | None:
 def _fsdp_version(model: Any, hw: Any, s: Strategy) -> str | None:
     if s.fsdp and getattr(s, "fsdp_version", 2) == 1 and hw.gpu.is_cpu:
         return ("fsdp_version=1 on the CPU device: FSDP1's final full-state-dict gather crashes under gloo "
-                "(docs/distributed.md); use fsdp_version=2 on the CPU, or FSDP1 on CUDA GPUs")
+                "(docs/distributed.md); use fsdp_version=2 on the CPU, FSDP1 on CUDA GPUs, or train with "
+                "save.mode=sharded or adapter")
     return None
 
 

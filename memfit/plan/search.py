@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional
 
 from memfit.errors import ConfigError
 from memfit.estimate.host import node_ram
+from memfit.estimate.phases import NAMES
 from memfit.methods import METHODS
 from memfit.plan import rules
 from memfit.plan.longctx import lever_note
@@ -106,11 +107,13 @@ def short_reason(est: Any, hardware: Any) -> str:
         return f"needs {_gb(ram_need(est, hardware))} of RAM ({_gb(usable_gpu)} usable)"
     parts = []
     if est.gpu_needed > usable_gpu:
-        parts.append(f"needs {_gb(est.gpu_needed)} per GPU ({_gb(usable_gpu)} usable, "
+        when = "" if est.gpu_phase == "train_step" else f" while {NAMES[est.gpu_phase]}"
+        parts.append(f"needs {_gb(est.gpu_needed)} per GPU{when} ({_gb(usable_gpu)} usable, "
                      f"{_gb(est.gpu_needed - usable_gpu)} over)")
     ram = float(hardware.cpu_ram_bytes)
     if ram and est.cpu_total > ram:
-        parts.append(f"needs {_gb(est.cpu_total)} of CPU RAM per node (node has {_gb(ram)})")
+        when = "" if est.cpu_phase in ("training", "loading") else f" while {est.cpu_phase}"
+        parts.append(f"needs {_gb(est.cpu_total)} of CPU RAM per node{when} (node has {_gb(ram)})")
     return " and ".join(parts) or "; ".join(est.reasons)
 
 
@@ -150,6 +153,7 @@ def plan(
     explain: bool = True,
     rule_memo: Optional[dict] = None,
     long_context: bool = True,
+    phases: Any = None,
 ) -> Plan:
     """Search the levers for ``model`` on ``hardware``; recommend the fastest combination that fits.
 
@@ -163,7 +167,7 @@ def plan(
     result = Plan(model=model, hardware=hardware, margin=margin)
     result.search_args = dict(methods=methods, zero_stages=zero_stages, allow_offload=allow_offload,
                               offloads=offloads, seq_len=seq_len, micro_batch_size=micro_batch_size,
-                              grad_accum=grad_accum, margin=margin, profile=profile, fixed=fixed)
+                              grad_accum=grad_accum, margin=margin, profile=profile, fixed=fixed, phases=phases)
     if rule_memo is None:
         rule_memo = {}
 
@@ -175,7 +179,7 @@ def plan(
         if reasons:
             result.rejected.append(Rejection(strategy, " Also: ".join(reasons), "rule", reasons=reasons))
             return
-        est = estimate(model, hardware, strategy, profile=profile, margin=margin)
+        est = estimate(model, hardware, strategy, profile=profile, margin=margin, phases=phases)
         verdict = memory_verdict(est, hardware)
         if verdict is None:
             result.candidates.append(est)

@@ -65,12 +65,12 @@ def check_margin(margin: float) -> None:
 
 
 def estimate_one(model: Any, hardware: Any, keys: dict[str, Any], *, margin: float = 0.05,
-                 profile: Any = None, activation_formula: Any = None) -> SingleEstimate:
+                 profile: Any = None, activation_formula: Any = None, phases: Any = None) -> SingleEstimate:
     """The estimate of the combination ``keys`` (Strategy fields), checked against rules and margin."""
     from memfit.estimate import estimate
 
     strategy = make_strategy(**complete_keys(model, hardware, keys))
     check_margin(margin)
     est = estimate(model, hardware, strategy, profile=profile, margin=margin,
-                   activation_formula=activation_formula)
+                   activation_formula=activation_formula, phases=phases)
     return SingleEstimate(est, margin, rules.check(model, hardware, strategy))

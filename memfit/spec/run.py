@@ -18,6 +18,7 @@ from memfit.errors import ConfigError
 from memfit.methods.lora.config import SECTION as LORA_SECTION
 from memfit.methods.meft.config import SECTION as MEFT_SECTION
 from memfit.spec.strategy import Strategy
+from memfit.spec.phases import EvalSpec, RunPhases, SaveSpec
 
 DataFormat = Literal["auto", "prompt_completion", "dialogue_summary", "chat", "text"]
 
@@ -79,6 +80,8 @@ class RunSpec(BaseModel):
     strategy: Strategy = Strategy()
     training: TrainingSpec = TrainingSpec()
     distributed: DistributedSpec = DistributedSpec()
+    eval: EvalSpec = EvalSpec()
+    save: SaveSpec = SaveSpec()
     output_dir: str = Field("runs/memfit", description="folder for the run's files")
     rope_scaling: Optional[dict[str, Any]] = Field(None, description="RoPE scaling applied to the model's config "
                                                    "(replaces its own), e.g. {rope_type: yarn, factor: 4.0}; "
@@ -90,6 +93,11 @@ class RunSpec(BaseModel):
         from memfit.spec.context import check_rope_scaling
 
         return check_rope_scaling(v)
+
+    @property
+    def phases(self) -> RunPhases:
+        """The keys the estimator's run phases read (memfit.spec.phases)."""
+        return RunPhases(eval=self.eval, save=self.save)
 
     @field_validator("output_dir", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ Optimizer = Literal["adamw", "adamw8bit", "sgd"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
 Loss = Literal["standard", "chunked"]
 ActivationOffload = Literal["none", "checkpointed", "all"]
+Allocator = Literal["default", "expandable_segments"]
 
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "fa2")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
@@ -78,6 +79,11 @@ class Levers(BaseModel):
     seq_len: int = Field(512, ge=1)
     loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
                        "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
+    allocator: Allocator = Field("default", description="the CUDA caching allocator's mode: default, or "
+                                 "expandable_segments (memfit train sets PYTORCH_CUDA_ALLOC_CONF="
+                                 "expandable_segments:True on CUDA): one growing segment per stream whose free "
+                                 "pages are unmapped when the card fills, so no cached working sets are held "
+                                 "(memfit.estimate.cuda.gap_parts). Ignored on the CPU")
     # long context (docs/long-context.md)
     sequence_parallel: int = Field(1, ge=1, description="Ulysses sequence parallelism: ranks that share one "
                                    "sequence, each holding seq_len / N of its tokens (an all-to-all around attention "
@@ -174,6 +180,8 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
             parts.append("no-sync")
         if self.loss != "standard":
             parts.append(f"{self.loss}-ce")
+        if self.allocator != "default":
+            parts.append("expandable")
         if self.sequence_parallel > 1:
             parts.append(f"sp{self.sequence_parallel}")
         if self.context_parallel > 1:

@@ -81,6 +81,15 @@ def preflight(run) -> list[str]:
     return reasons(run)
 
 
+def phases_note(run) -> str:
+    """The summary's line on the run phases as run (the estimate priced the same: memfit.spec.phases)."""
+    from memfit.spec.phases import save_mode
+
+    return (f"run phases: evaluation batch {run.eval.batch_size or run.strategy.micro_batch_size}, loss only "
+            f"(no compute_metrics); final save {save_mode(run.strategy, run.save.mode)}; checkpoints "
+            f"{'sharded' if run.strategy.fsdp or run.strategy.zero_stage else 'whole'}")
+
+
 def cpu_threads() -> Optional[int]:
     """On CPU, unless OMP_NUM_THREADS is set: use the cores other processes leave idle (1-minute load
     average). Oversubscribed OpenMP threads spin against each other and can make a step 10x slower.
@@ -110,9 +119,11 @@ def trim_metrics(path: Path, last_step: int) -> None:
     write_text(path, "".join(x + "\n" for x in keep), "metrics")
 
 
-def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None) -> Path:
+def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = None,
+                 adapter_only: bool = False) -> Path:
     """The method's result (adapter, full model or MEFT file) in ``out/<method.output>``, atomically.
-    ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own."""
+    ``state_dict``: the engine's gathered weights (ZeRO / FSDP), else the model's own; ``adapter_only``: FSDP's
+    gathered adapter alone (memfit.train.adapter_save: PEFT cannot name FSDP1's nested units)."""
     from memfit.methods import for_strategy
 
     method = for_strategy(run.strategy)
@@ -120,7 +131,12 @@ def save_outputs(run, model, tokenizer, out: Path, state_dict: Optional[dict] = 
         state_dict = {k: v.detach().cpu() for k, v in state_dict.items()}
     dst = out / method.output
     with atomic_dir(dst) as tmp:
-        method.save(model, tokenizer, tmp, state_dict)
+        if adapter_only:
+            from memfit.train.adapter_save import save_gathered_adapter
+
+            save_gathered_adapter(model, tokenizer, tmp, state_dict)
+        else:
+            method.save(model, tokenizer, tmp, state_dict)
     return dst
 
 
@@ -201,6 +217,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     from memfit.train.callbacks import MetricsWriter, StepStats
     from memfit.train.checkpoint import clean_staging, prepare_folders
     from memfit.train.data import prepare_datasets
+    from memfit.train.allocator import apply_allocator
     from memfit.train.model import build_model
     from memfit.train.trainer import build_trainer
 
@@ -213,6 +230,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
 
     run = with_launcher_version(run)  # `accelerate launch --config_file`: the FSDP version the file names
     engine = engines.for_run(run)
+    allocator_note = apply_allocator(run.strategy)  # before CUDA allocates (the process group's NCCL too)
     engine.join(run)  # DeepSpeed / FSDP: process group, ZeRO-3 partitioned loading (nothing for DDP)
     threads = cpu_threads()
     model, tokenizer, info = build_model(run, local_rank=local_rank, engine=engine, tokenizer=data is None)
@@ -220,6 +238,7 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
 
     levers = install(run, model)  # activation offload, tiled MLP (sequence / context parallelism: the engine's)
     info.notes.extend(levers.notes)
+    info.notes += [n for n in (allocator_note, phases_note(run)) if n]
     if threads is not None:
         info.notes.append(f"CPU threads: {threads} (idle cores by the load average; set OMP_NUM_THREADS "
                           "to choose)")
@@ -291,12 +310,24 @@ def _save_final(run, trainer, engine, tokenizer, out: Path) -> Optional[Path]:
     from memfit.train.checkpoint import checkpoints
 
     try:
-        # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes
-        state_dict = engine.gathered_state_dict(trainer, run)
+        # ZeRO-3 / FSDP: every rank joins the gather of the sharded weights, rank 0 writes; FSDP with save.mode
+        # sharded: every rank writes its shards, adapter: only the trained parameters gathered (#39)
+        from memfit.spec.phases import save_mode
+
+        mode = save_mode(run.strategy, run.save.mode)
+        if run.strategy.fsdp and mode == "sharded":
+            saved = engine.save_sharded(trainer, out)
+            engine.barrier()
+            return saved
+        adapter_only = bool(run.strategy.fsdp) and mode == "adapter"
+        if adapter_only:
+            state_dict = engine.adapter_state_dict(trainer, run)
+        else:
+            state_dict = engine.gathered_state_dict(trainer, run)
         saved = None
         if trainer.is_world_process_zero():
             saved = save_outputs(run, trainer.accelerator.unwrap_model(trainer.model), tokenizer, out,
-                                 state_dict)
+                                 state_dict, adapter_only)
         engine.barrier()
         return saved
     except WriteError as err:

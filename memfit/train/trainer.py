@@ -50,7 +50,7 @@ def training_arguments(run, output_dir: Path, has_eval: bool, engine: Any) -> Tr
     kwargs: dict[str, Any] = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=s.micro_batch_size,
-        per_device_eval_batch_size=s.micro_batch_size,
+        per_device_eval_batch_size=run.eval.batch_size or s.micro_batch_size,  # the run file's eval.batch_size
         gradient_accumulation_steps=s.grad_accum,
         max_steps=-1 if t.epochs else t.max_steps,
         num_train_epochs=t.epochs or 1.0,

@@ -44,7 +44,7 @@ def test_a_run_that_ran_but_is_called_not_fitting_is_counted(tmp_path, capsys):
     # fms-acceleration's Mistral-7B full fine-tune at micro-batch 8 (72.4 GB allocated), said here to have run
     # on a 40 GB A100: memfit holds what the card must keep (allocated + splitting waste + context) against the
     # card less the planner's 5 % margin, and calls it not fitting: a wrong verdict, counted. (On the 80 GB
-    # card it ran on, memfit now calls it fitting: the cache beyond the card is freed on demand, cuda.cap_cached.)
+    # card it ran on, memfit now calls it fitting: its step peak's cache is released on demand, cuda.gap_parts.)
     ran = {**BASE, "id": "full8", "model": "mistralai/Mistral-7B-v0.1", "method": "full", "lora": None,
            "gpu": {"model": "NVIDIA A100 40GB", "count": 1},
            "quantization": "none", "precision": "pure bfloat16", "micro_batch_size": 8,

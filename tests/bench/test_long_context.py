@@ -31,7 +31,7 @@ def test_alst_all_levers(rows):
     assert (s.gradient_checkpointing, s.attention, s.loss) == (True, "fa2", "chunked")
     assert (s.micro_batch_size, s.grad_accum, s.seq_len) == (1, 1, 3_700_000)
     assert c.metric == "max_seq_len" and c.published == 3_700_000 and c.data_parallel == 1
-    assert c.overrides == {"expandable_segments": 1.0} and c.hardware.cpu_ram_bytes == int(1.9e12)
+    assert s.allocator == "expandable_segments" and c.hardware.cpu_ram_bytes == int(1.9e12)
     assert L.length_step(c) == 8
 
 

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(not G.DEFAULT_FILE.is_file(), reason=f"reference
 
 # runs that ran but are called not fitting at the planner's 5 % margin; fixing them should shrink this set.
 # fms Mistral-7B full bs4/bs8 left this set when the verdict left out the cache the allocator frees when the card is
-# full (memfit.estimate.cuda.cap_cached). The IA3 run measured 24.85 GB reserved on a 4090 whose CUDA total is
-# 25.25 GB (23.52 GiB): the whole card, over the planner's 5 % margin (23.99 GB); held out it is called not fitting.
+# full (memfit.estimate.cuda.gap_parts: a step peak's cache is released). The IA3 run measured 24.85 GB reserved on a
+# 4090 whose CUDA total is 25.25 GB (23.52 GiB): the whole card, over the planner's 5 % margin (23.99 GB); it is called
+# not fitting (in-sample too since #39: its cached layer working sets sit in split segments).
 RAN_CALLED_NOT_FITTING = {"peft-mmqa-README-example-ia3-rtx4090"}
 
 
@@ -91,12 +92,12 @@ def test_public_rows_accuracy(bench):
     n = bench["public"]
     ins = G.summarize(bench["in_sample"][:n])
     held = G.summarize(bench["held"][0][:n])
-    # in-sample (bench/gpu_published.py: median |e| 1.0 %, max 19.7 %)
+    # in-sample (bench/gpu_published.py: median |e| 1.1 %, max 19.7 %)
     assert ins["compared"] >= 50
     assert ins["median_abs"] < 0.015 and ins["max_abs"] < 0.20
-    # held out (leave-one-group-out: median 2.3 %, max 26.3 %: fms-main's Mixtral QLoRA nvidia-smi figure, over,
-    # when the fit without fms-main keeps 1.5 layer working sets cached)
-    assert held["median_abs"] < 0.03 and held["max_abs"] < 0.27
+    # held out (leave-one-group-out: median 2.3 %, max 19.7 %; 26.3 % before #39, when the cache shown was capped at
+    # the card and fms-main's fit without itself kept 1.5 layer working sets cached)
+    assert held["median_abs"] < 0.03 and held["max_abs"] < 0.21
     for s in (ins, held):
         assert s["under_10"] == []  # no published figure more than 10 % under its measurement
         assert s["oom_called_fitting"] == []  # no run that ran out of memory is called fitting

@@ -141,7 +141,7 @@ def test_reserved_is_allocated_plus_cached_layer_working_sets():
     # a layer's forward + backward working set (2 GB) cached; the loss's blocks (3 GB) when the step is the peak
     assert reserved_gap(10e9, 2e9, 3e9, False, p) == 0.75 * 2e9 + 0.5 * 3e9 + 0.04 * 10e9
     assert reserved_gap(10e9, 2e9, 0.0, False, p) == 0.75 * 2e9 + 0.04 * 10e9
-    assert reserved_gap(10e9, 2e9, 3e9, False, p.with_values(expandable_segments=1.0)) == 0.04 * 10e9
+    assert reserved_gap(10e9, 2e9, 3e9, False, p, expandable=True) == 0.04 * 10e9
     gib = 2**30
     assert context_bytes(find_gpu("A100-80GB"), p) == 0.8 * gib
     assert context_bytes(find_gpu("H100-80GB"), p) == 0.9 * gib

@@ -141,3 +141,48 @@ class Fsdp(Engine):
 
     def gathered_state_dict(self, trainer: Any, run: RunSpec) -> Optional[dict]:
         return trainer.accelerator.get_state_dict(trainer.model)
+
+    def adapter_state_dict(self, trainer: Any, run: RunSpec) -> dict:
+        """save.mode=adapter: the trained parameters alone, gathered on every rank (collective; #39), never the
+        frozen base. FSDP1: each unit that owns a trained parameter (PEFT's wrap policy: lora_A, lora_B) is
+        unsharded alone (``FSDP.summon_full_params(unit, recurse=False, writeback=False)``); FSDP2: each trained
+        DTensor's ``full_tensor()``. Names as the unwrapped model's state dict spells them."""
+        import torch
+
+        model, out = trainer.model, {}
+        if self.version == 2:
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                    out[_plain(name)] = full.detach().to("cpu", copy=True)
+            return out
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        for prefix, unit in model.named_modules():
+            if not isinstance(unit, FSDP):
+                continue
+            # the unit's own parameters: one wrapper level in their names (deeper ones are nested units')
+            names = {_plain(n) for n, p in unit.named_parameters()
+                     if p.requires_grad and n.count("_fsdp_wrapped_module") == 1}
+            if not names:
+                continue
+            # inside the context FSDP names parameters without its wrapper prefix (FSDP.named_parameters)
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False), torch.no_grad():
+                for n, p in unit.named_parameters():
+                    if _plain(n) in names:
+                        out[_plain(f"{prefix}.{n}" if prefix else n)] = p.detach().to("cpu", copy=True)
+        return out
+
+    def save_sharded(self, trainer: Any, out: Path) -> Path:
+        """save.mode=sharded: every rank writes its own shards of the model (accelerate's ``save_fsdp_model``
+        with the SHARDED_STATE_DICT memfit configures: torch.distributed.checkpoint), no gather (#39)."""
+        from accelerate.utils import save_fsdp_model
+
+        dst = Path(out) / "model_sharded"
+        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, str(dst))
+        return dst
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without FSDP1's wrapper parts, as the unwrapped model names it."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("._checkpoint_wrapped_module", "")
