@@ -85,6 +85,8 @@ class Profile(TimeProfile):
     # ---- CPU RAM ----------------------------------------------------------------------------------
     process_baseline_bytes: float = 2.0 * GiB  # resident size of a Python+torch(+CUDA libs) training process before the model
     process_baseline_bytes_cpu: float = 0.6e9  # CPU pseudo-device: peak RSS − allocator peak of a CPU-only torch+transformers process (bench/measure_grid.py: 578–610 MB)
+    process_baseline_load_cpu: float = 0.38e9  # CPU pseudo-device, loading: RSS of a process that has imported torch, transformers and safetensors and loaded a model, less the model's bytes (memfit train's build_model on the demo model, fp32 full fine-tuning, this machine 2026-12-07: 384 MB with 3.4 MB of weights; bench: tests/estimate/test_load_phase_cpu.py)
+    process_peft_import_cpu: float = 0.057e9  # + PEFT's import where the method is built by PEFT (LoRA on the demo model: 441 MB against 384, 0.6 MB of it adapters; same source)
     process_baseline_dist_cpu: float = 0.12e9  # CPU pseudo-device, world > 1: + gloo process group and engine imports per rank (bench/measure_grid.py 2-process rows: 700–750 MB)
     pinned_buffer_bytes: float = 1.0 * GiB  # DeepSpeed offload: pinned staging buffers per process (guess; FSDP pins its shards and gradient buffers instead: memfit.estimate.pinned)
     checkpoint_shard_bytes: float = 5e9  # one safetensors shard read at a time when loading straight to GPU / zero.Init

@@ -30,6 +30,8 @@ Each term read in the engines' code at the pinned versions (site-packages paths)
 
 from __future__ import annotations
 
+import json
+
 import math
 from typing import NamedTuple
 
@@ -132,6 +134,21 @@ def save_cpu(run, x: PhaseInputs, mode: str, weights_all: float, trainable: floa
     return x.baseline + x.steady + staged
 
 
+CHECKPOINT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+def _resident_at_load(run, x: PhaseInputs, trainable: float) -> float:
+    """CPU: the weights resident once loaded. transformers 5.24 loads a safetensors checkpoint stored in the dtype it
+    is loaded in without copying it (the tensors stay backed by the file's memory map, its pages resident only
+    once touched, in the first step); a checkpoint in another dtype is converted into new, resident tensors. The
+    adapters a method adds are new tensors (fp32)."""
+    cfg = json.loads(run.model.config_json) if run.model.config_json else {}  # the config.json as read
+    stored = CHECKPOINT_BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or ""))
+    if stored != run.weight_b:
+        return x.weights
+    return 0.0 if run.method.trains_base else trainable * 4.0
+
+
 def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
                trainable: float) -> dict[str, tuple[float, float]]:
     """{phase: (per-GPU bytes the card must hold, per-node CPU RAM)}; on the CPU pseudo-device (one RAM:
@@ -143,7 +160,12 @@ def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
     if run.gpu.is_cpu:  # evaluation and the save at the allocator level (rank 0's): the step's heap holes stay,
         # so the RSS verdict is the step's
         at_rest = x._replace(split=0.0, fixed=0.0)
-        return {"load": (x.train_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
+        # loading: the weights, in a process that has imported only what loading needs (no autograd, optimizer,
+        # Trainer yet: its own measured baseline; PEFT's import for the methods PEFT builds)
+        p = run.profile
+        load_proc = p.process_baseline_load_cpu + (p.process_peft_import_cpu if run.method.fp32_adapters else 0.0)
+        load_cpu = run.hardware.gpus_per_node * load_proc + max(x.loading, x.steady + x.unpinned)
+        return {"load": (_resident_at_load(run, x, trainable), load_cpu), "train_step": (x.train_gpu, train_cpu),
                 "eval": (eval_gpu(run, at_rest, phases), train_cpu),
                 "save": (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
                          + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
