@@ -105,6 +105,14 @@ def reference_losses(run_file, sets: list, name: str = "ref") -> list:
     """The losses of ``run_file`` with ``sets`` trained in this process on one rank (the multi-process tests'
     reference: micro-batch 2 here sees the global batches micro-batch 1 on each of two ranks sees). In-process,
     it spares a Python start and the libraries' ~10 s import; the ranks under test still run as users run them."""
+    from memfit.distributed.ranks import finish
     from memfit.measure.engine_matrix import run_case
 
-    return run_case(Path(run_file), {"name": name, "set": sets}, world=1)["losses"]
+    env = dict(os.environ)
+    try:  # a DeepSpeed reference starts a one-rank group here: neither it nor its rendezvous variables may outlive
+        # the call (the next in-process run would find a group, a child process the group's port taken)
+        return run_case(Path(run_file), {"name": name, "set": sets}, world=1)["losses"]
+    finally:
+        finish()
+        os.environ.clear()
+        os.environ.update(env)
