@@ -9,7 +9,7 @@ terms become ops. The list holds per-token figures, so one list serves every len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memfit.engines import EngineCost
 from memfit.methods import METHODS
@@ -21,9 +21,9 @@ from memfit.steptime.work import (RECOMPUTE_DISPATCH, elementwise_cached, extra_
                                   lora_elementwise_bytes, method_gemms, method_work, ops_per_layer, per_model)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What a micro-batch's ops depend on, besides the model (hashable: the ops are cached by it)."""
+class Shape(NamedTuple):
+    """What a micro-batch's ops depend on, besides the model (hashable: the ops are cached by all but its first
+    two fields)."""
 
     batch: int
     seq: int
@@ -168,10 +168,7 @@ def _engine_hooks(model: ModelSpec, sh: Shape) -> EngineHooks:
 def micro_work(model: ModelSpec, sh: Shape, st) -> Work:
     """The micro-batch's :class:`Work` (its ops cached per model and shape; ``st``: the strategy, which the
     method's ``extra_layer_work`` reads)."""
-    key = (sh.recompute, sh.eager, sh.e, sh.trains_base, sh.adapted, sh.lora_r, sh.dropout, sh.fp32_adapters,
-           sh.fp32_stream, sh.quantized, sh.meft_rows, sh.router, sh.chunked_loss, sh.redo_head, sh.fsdp,
-           sh.zero_grad_hooks, sh.zero3_hooks, sh.method, sh.peft_config, sh.precision, sh.sequence_parallel,
-           sh.context_parallel, sh.group_in_node, sh.offload_per_token, sh.tiled_mlp)
+    key = sh[2:]  # all but the batch and the length: the ops hold per-token figures
     ops = per_model(("ops", id(model)) + key, model, lambda: _ops(model, sh, st))
     return Work(sh.batch, sh.seq, ops, (id(model),) + key)
 
