@@ -101,11 +101,35 @@ def lora_dialogue_run(root, tiny_model_dir, name, *, records: int, seq_len: int,
     }
 
 
+def release_process_group(env: dict) -> None:
+    """After a run in this process: leave its process group (memfit.distributed.ranks.finish), forget the groups
+    DeepSpeed cached from it (deepspeed 0.19.8 utils/groups.py module globals, comm/comm.py's backend ``cdb``: a
+    later DeepSpeed run in this process would otherwise ask a destroyed group for its ranks) and restore ``env``
+    (the rendezvous variables the run set)."""
+    import sys
+
+    from memfit.distributed.ranks import finish
+
+    finish()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP", "mpu"):
+            setattr(groups, name, None)
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            getattr(groups, name).clear()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def reference_losses(run_file, sets: list, name: str = "ref") -> list:
     """The losses of ``run_file`` with ``sets`` trained in this process on one rank (the multi-process tests'
     reference: micro-batch 2 here sees the global batches micro-batch 1 on each of two ranks sees). In-process,
     it spares a Python start and the libraries' ~10 s import; the ranks under test still run as users run them."""
-    from memfit.distributed.ranks import finish
     from memfit.measure.engine_matrix import run_case
 
     env = dict(os.environ)
@@ -113,6 +137,4 @@ def reference_losses(run_file, sets: list, name: str = "ref") -> list:
         # the call (the next in-process run would find a group, a child process the group's port taken)
         return run_case(Path(run_file), {"name": name, "set": sets}, world=1)["losses"]
     finally:
-        finish()
-        os.environ.clear()
-        os.environ.update(env)
+        release_process_group(env)

@@ -152,16 +152,14 @@ def test_tiled_mlp_trains_under_zero_with_the_same_losses(texts, tmp_path, monke
         tiles.append(shards), original(ctx, fn, self, x, shards, params))[1]))
     import os
 
-    from memfit.distributed.ranks import finish
+    from conftest import release_process_group
 
     env = dict(os.environ)
     try:  # DeepSpeed in this process: its one-rank group and rendezvous variables must not outlive the test
         plain = train(_run(texts, tmp_path / "z1", zero_stage=1, seq_len=128))
         tiled = train(_run(texts, tmp_path / "z1-tiled", zero_stage=1, seq_len=128, tiled_mlp=True))
     finally:
-        finish()
-        os.environ.clear()
-        os.environ.update(env)
+        release_process_group(env)
     assert tiles and max(tiles) == 2, tiles
     assert [loss for _, loss in tiled.losses] == pytest.approx([loss for _, loss in plain.losses], rel=1e-6)
 
