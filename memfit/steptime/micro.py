@@ -19,7 +19,7 @@ from memfit.steptime.attention import eager_seconds, fused_seconds
 from memfit.steptime.gemm import gemm_seconds, linear_seconds
 from memfit.steptime.ops import Attention, Bytes, Dequant, Dispatch, Dropout, EngineHooks, Gemm, Linear
 from memfit.steptime.rates import GpuRates
-from memfit.steptime.work import RECOMPUTE_DISPATCH
+from memfit.steptime.host import dispatch_ops, engine_hook_seconds
 
 NF4_BYTES_PER_VALUE = 0.5 + 2.0 + 4.0 / 64  # packed codes read, bf16 written, fp32 absmax per 64-value block
 
@@ -89,21 +89,12 @@ class CatalogGpu:
         return op.layers * op.uses * per_layer, 0.0
 
     def dispatch(self, op: Dispatch) -> float:
-        """Module-level ops (memfit.steptime.host): the recomputed forward's base ops at ``gc_host_fraction``
-        (torch.utils.checkpoint's machinery costs more than the forward it repeats), PEFT's wrappers at the
-        forward's dispatch share, bitsandbytes' Linear4bit calls at ``qlora_call_ops`` each."""
-        p, L = self.p, op.layers
-        ops = L * (op.layer_ops * (1.0 + (p.gc_host_fraction if op.recompute else 0.0))
-                   + op.adapter_ops * (1.0 + (RECOMPUTE_DISPATCH if op.recompute else 0.0))) + op.model_ops
-        ops += p.qlora_call_ops * L * op.quantized_calls * (1.5 if op.recompute else 1.0)
-        return (ops + op.extra_ops) * p.gpu_host_op_seconds
+        """Module-level ops (memfit.steptime.host) at ``gpu_host_op_seconds`` each."""
+        return dispatch_ops(op, self.p) * self.p.gpu_host_op_seconds
 
     def engine_hooks(self, op: EngineHooks) -> tuple[float, float]:
         """(host, serial) seconds of the engine's hooks (memfit.steptime.host)."""
-        p = self.p
-        host = p.fsdp_unit_ops * op.units * p.gpu_host_op_seconds + p.deepspeed_grad_ops * op.grad_tensors \
-            * p.cpu_op_seconds
-        return host, p.zero3_module_ops * op.fetch_modules * p.gpu_host_op_seconds
+        return engine_hook_seconds(op, self.p)
 
     def sync(self, ops: float) -> float:
         return ops * self.p.gpu_host_op_seconds

@@ -147,30 +147,51 @@ def test_tokens_per_second_grows_with_sequence_on_a_7b_lora():
 
 
 def test_host_hooks_by_hand():
-    from memfit.steptime.host import host_ops, host_seconds, step_host_seconds, zero3_hook_seconds
+    from memfit.steptime.host import dispatch_ops, engine_hook_seconds, step_host_seconds
+    from memfit.steptime.ops import Dispatch, EngineHooks
 
     prof = Profile()
-    # TINY: 49 module ops per layer x 2 + 20; QLoRA adds qlora_call_ops (12) per Linear4bit (7 per layer x 2)
-    plain = host_ops(TINY, 0, False, False, False, "ddp", prof)
+
+    def ops(adapters: int = 0, gc: bool = False, quantized: bool = False) -> float:
+        # TINY: 49 module ops per layer x 2 + 20; a LoRA-adapted linear's wrapper 6 more each
+        return dispatch_ops(Dispatch(2, 49.0, 6.0 * adapters, adapters, False, gc,
+                                     quantized_calls=7.0 if quantized else 0.0), prof)
+
+    plain = ops()
     assert plain == 49 * 2 + 20
-    assert host_ops(TINY, 0, False, False, True, "ddp", prof) - plain == 12 * 7 * 2
+    # QLoRA adds qlora_call_ops (12) per Linear4bit (7 per layer x 2)
+    assert ops(quantized=True) - plain == 12 * 7 * 2
     # checkpointing: the recompute at gc_host_fraction (1.2, H200 calibrations) of a layer's 49 ops; a LoRA
     # adapter's 6 ops per linear again at the forward's share (0.4): 2 x (49 x 2.2 + 42 x 1.4) + 20
-    assert host_ops(TINY, 0, False, True, False, "ddp", prof) == pytest.approx(2 * 49 * 2.2 + 20)
-    assert host_ops(TINY, 7, False, True, False, "ddp", prof) == pytest.approx(2 * (49 * 2.2 + 42 * 1.4) + 20)
+    assert ops(gc=True) == pytest.approx(2 * 49 * 2.2 + 20)
+    assert ops(7, gc=True) == pytest.approx(2 * (49 * 2.2 + 42 * 1.4) + 20)
     # FSDP: fsdp_unit_ops (40) per unit, the 2 layers + the embedding + the tail
-    assert host_ops(TINY, 0, False, False, False, "fsdp", prof) - plain == 40 * 4
-    # DeepSpeed ZeRO-2: 30 small ops (cpu_op_seconds, 12 us) per trainable tensor per micro-batch; ZeRO-1 once
-    # per step (a quarter per micro-batch at 4); their step bookkeeping 35 per tensor
-    base = host_seconds(TINY, 0, False, False, False, "ddp", prof)
-    assert host_seconds(TINY, 0, False, False, False, "zero2", prof, 21, 4) - base == pytest.approx(30 * 21 * 1.2e-5)
-    assert (host_seconds(TINY, 0, False, False, False, "zero1", prof, 21, 4) - base
-            == pytest.approx(30 * 21 / 4 * 1.2e-5))
+    assert engine_hook_seconds(EngineHooks(units=4), prof) == pytest.approx((40 * 4 * prof.gpu_host_op_seconds, 0.0))
+    # DeepSpeed ZeRO-2: 30 small ops (cpu_op_seconds, 12 us) per trainable tensor per micro-batch (memfit.steptime
+    # .layer hands ZeRO-1 a quarter of them per micro-batch at 4); their step bookkeeping 35 per tensor
+    assert engine_hook_seconds(EngineHooks(grad_tensors=21), prof)[0] == pytest.approx(30 * 21 * 1.2e-5)
     assert step_host_seconds("zero2", 21, prof) == pytest.approx(35 * 21 * 1.2e-5)
     assert step_host_seconds("fsdp", 21, prof) == 0.0
-    # ZeRO-3's fetch hooks: 8 ops x (7 linears + 2 norms + 6 other modules) x 2 layers, x1.4 under checkpointing
-    assert zero3_hook_seconds(TINY, False, prof) == pytest.approx(8 * 15 * 2 * prof.gpu_host_op_seconds)
-    assert zero3_hook_seconds(TINY, True, prof) == pytest.approx(1.4 * 8 * 15 * 2 * prof.gpu_host_op_seconds)
+    # ZeRO-3's fetch hooks: 8 ops x (7 linears + 2 norms + 6 other modules) x 2 layers (x1.4 under checkpointing:
+    # memfit.steptime.layer's fetch_modules), waited for
+    assert engine_hook_seconds(EngineHooks(fetch_modules=15 * 2), prof) == pytest.approx(
+        (0.0, 8 * 15 * 2 * prof.gpu_host_op_seconds))
+
+
+def test_the_layer_hands_the_engines_hooks_their_counts():
+    from memfit.engines import ENGINE_COSTS
+    from memfit.steptime.layer import micro_work, shape_for
+    from memfit.steptime.ops import EngineHooks
+
+    def hooks(engine: str, gc: bool = False, ga: int = 1) -> EngineHooks:
+        st = Strategy(method="lora", zero_stage=int(engine[-1]) if engine.startswith("zero") else 0,
+                      gradient_checkpointing=gc, grad_accum=ga)
+        sh = shape_for(TINY, st, 2.0, frozenset(), 0.0, 0.0, False, ENGINE_COSTS[engine], 21.0)
+        return next(op for op in micro_work(TINY, sh, st).ops if isinstance(op, EngineHooks))
+
+    assert hooks("zero2", ga=4).grad_tensors == 21 and hooks("zero1", ga=4).grad_tensors == 21 / 4
+    assert hooks("zero3").fetch_modules == 15 * 2 and hooks("zero3", gc=True).fetch_modules == 1.4 * 15 * 2
+    assert hooks("fsdp-full_shard").units == 4 and hooks("ddp") == EngineHooks()
 
 
 def test_eager_attention_by_hand():
