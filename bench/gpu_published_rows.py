@@ -13,6 +13,7 @@ from memfit.errors import MemfitError
 from memfit.spec.hardware import GiB, HardwareSpec, find_gpu
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy
+from bench import jsonl
 
 HERE = Path(__file__).resolve().parent
 _REL = Path("reference") / "gpu-runs" / "public.jsonl"
@@ -277,10 +278,7 @@ def load_gpu_check(path: Path) -> list[Case]:
 
 def load(path: Path) -> tuple[list[Case], list[dict]]:
     cases, skipped = [], []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in jsonl.rows(path):
         try:
             case = convert(row)
             cases.append(case)

@@ -40,7 +40,6 @@ source group "long-context", so every figure is development):
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,6 +47,7 @@ from pathlib import Path
 from memfit.spec.hardware import CATALOG, GiB, HardwareSpec, find_gpu
 from memfit.spec.model import ModelSpec, model_from_config, preset_config, resolve_model
 from memfit.spec.strategy import Strategy
+from bench import jsonl
 
 HERE = Path(__file__).resolve().parent
 _REL = Path("reference") / "long-context" / "public-long-context.jsonl"
@@ -344,10 +344,7 @@ def category(reason: str) -> str:
 
 def load(path: Path = DEFAULT_FILE) -> tuple[list[Case], list[dict]]:
     cases, skipped = [], []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in jsonl.rows(path):
         try:
             cases.append(convert(row))
         except NotStated as why:

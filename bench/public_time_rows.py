@@ -71,6 +71,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bench import jsonl
 from bench import gpu_time_published as gtp  # DEEPSPEED_ASSUMED, ASSUMED
 
 from memfit.spec.hardware import GB, GiB, HardwareSpec, find_gpu, with_pcie_link
@@ -357,10 +358,7 @@ def loop_overrides(row: dict) -> dict:
 def load(path: Path = DEFAULT_FILE, *, compiled: bool = False) -> tuple[list[TimeCase], list[dict]]:
     """(cases, skipped rows as {"id", "group", "reason"}). ``compiled``: map torch.compile rows as eager."""
     cases, skipped = [], []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in jsonl.rows(path):
         try:
             cases.append(convert(row, compiled))
         except Skip as why:
