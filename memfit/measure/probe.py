@@ -59,13 +59,15 @@ def _status_field(name: str) -> Optional[int]:
 
 
 def reset_peak_rss() -> bool:
-    """Reset the process's peak RSS (Linux ``clear_refs`` 5). False where the OS does not allow it."""
+    """Reset the process's peak RSS (Linux ``clear_refs`` 5). False where the OS does not allow it, or
+    accepts the write but the peak it reports stays above the resident set (a sandbox's no-op)."""
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
-        return True
     except OSError:
         return False
+    hwm, rss = _status_field("VmHWM"), _status_field("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + (16 << 20)
 
 
 def peak_rss_bytes() -> int:
