@@ -24,7 +24,8 @@ ZERO2 = replace(ZERO1, name="zero2", kind="zero2", shards_gradients=True, reduce
 ZERO3 = EngineCost(
     name="zero3", kind="zero3", family="deepspeed", shards_optimizer=True, shards_gradients=True,
     shards_parameters=True, stores_sharded=True, autocast=False, casts_module=True, master_partition=True,
-    fp32_params_are_master=True, fused_adam=True, fp32_grad_copy=True, grad_reduce="reduce_scatter",
+    fp32_params_are_master=True, fused_adam=True, fp32_grad_copy=True, grad_copy_per_sub_group=True,
+    grad_reduce="reduce_scatter",
     reduces_every_micro_batch=True, weight_gathers=2, regathers_in_recompute=True, layer_launches=(3, 4),
     overlap="overlap_zero3", module_fetch_hooks=True, loss_recomputes_head=True, flat_grad_buffer=True,
     partitioned_loading=True)

@@ -42,6 +42,10 @@ class EngineCost:
     #                                      bench/distributed_memory.py measured 18.9 MB where a copy makes 25.2 MB)
     fused_adam: bool = False             # the engine's own fused Adam: no foreach sqrt(v) temporary (DeepSpeed)
     fp32_grad_copy: bool = False         # the step copies the 16-bit gradient partition to fp32 (DeepSpeed ZeRO)
+    grad_copy_per_sub_group: bool = False  # ... one sub-group at a time, freed after its update (ZeRO-3,
+    #                                      deepspeed 0.19.8 stage3.py ``_prepare_fp32_grad_for_sub_group`` and
+    #                                      ``_release_sub_group``; ZeRO-1/2 copy each parameter group's whole
+    #                                      partition: stage_1_and_2.py:3126)
     gathers_compute_copy: bool = False   # gathers in the compute dtype (FSDP MixedPrecision param_dtype), not storage
 
     # ---- collectives

@@ -42,6 +42,7 @@ class Profile(TimeProfile):
     optimizer_step_temp_bytes: float = 2.5  # CPU device: temporaries per locally-updated trainable param in the step (foreach AdamW, measured ~2.6)
     adamw_foreach_temp_copies: float = 1.0  # GPUs: torch AdamW's foreach step (memfit's trainer asks for "adamw_torch"; the HF Trainer's default before torch 2.8) allocates exp_avg_sq_sqrt, one state-sized tensor per param (torch/optim/adam.py:762); fused AdamW: 0
     zero_fp32_grad_bytes: float = 4.0  # DeepSpeed 16-bit training: fp32 copy of the local gradient partition for the step
+    zero3_sub_group_size: float = 1e9  # ZeRO-3 steps its partition in sub-groups of at least this many local elements (cut after the parameter that reaches it), so the fp32 copy spans one: DeepSpeed's default sub_group_size (deepspeed 0.19.8 runtime/zero/config.py:182; stage3.py _create_fp16_sub_groups), which memfit's DeepSpeed config leaves
     checkpoint_extra_layers: float = 1.0  # layers whose full working set is live during recomputation with checkpointing
     # ---- GPU memory: overheads ------------------------------------------------------------------------
     cuda_context_bytes: float = 0.8 * GiB  # CUDA context + cuBLAS/cuDNN workspaces per process (0.5–2 GiB; 0 on CPU)

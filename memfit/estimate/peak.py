@@ -63,8 +63,18 @@ def step_temporaries(run: Setup, params: Parameters, engine_step_temp: float) ->
     elif run.strategy.optimizer == "adamw" and not run.engine.fused_adam:  # DeepSpeed: its own fused Adam
         step_temp += local_opt * p.adamw_foreach_temp_copies * run.optim_b / 2.0  # one state-sized sqrt(v)
     if run.engine.fp32_grad_copy and run.precision != "fp32" and not run.offload_optimizer:
-        step_temp += local_opt * p.zero_fp32_grad_bytes
+        step_temp += grad_copy_elements(run, local_opt) * p.zero_fp32_grad_bytes
     return step_temp
+
+
+def grad_copy_elements(run: Setup, local: float) -> float:
+    """Gradient elements the step holds in fp32 at once: the whole local partition, or under ZeRO-3 the largest
+    sub-group (at least ``zero3_sub_group_size`` elements, closed by the parameter that reaches it: at most
+    that plus the largest parameter's partition, the embedding's)."""
+    if not run.engine.grad_copy_per_sub_group:
+        return local
+    largest = max(run.model.embedding_parameters, run.numbers.largest_linear) / run.world
+    return min(local, run.profile.zero3_sub_group_size + largest)
 
 
 def step_peak(run: Setup, states: States, bufs: Buffers, saved: Saved, step_temp: float, attention: str,

@@ -24,9 +24,10 @@ CAUSAL_WORK = 0.5
 FA_BLOCK_ROWS = 128
 
 
-def fused_rate(b: float, heads: float, s: float, d: float, g: GpuRates) -> float:
-    """FLOP/s (of memfit's full-square count 12·b·H·s²·d) of a causal fused attention, forward + backward."""
-    eff = g.attention_max * s / (s + g.attention_half_seq)
+def fused_rate(b: float, heads: float, s: float, d: float, g: GpuRates, package: bool = False) -> float:
+    """FLOP/s (of memfit's full-square count 12·b·H·s²·d) of a causal fused attention, forward + backward
+    (``package``: the flash-attn 2 package's kernel, else SDPA's)."""
+    eff = (g.package_attention_max if package else g.attention_max) * s / (s + g.attention_half_seq)
     if d < 128:
         eff *= 1.0 - 0.15 * min(1.0, math.log2(128.0 / max(d, 1.0)))
     blocks = b * heads * math.ceil(s / FA_BLOCK_ROWS)
@@ -35,9 +36,10 @@ def fused_rate(b: float, heads: float, s: float, d: float, g: GpuRates) -> float
     return g.peak * eff / CAUSAL_WORK
 
 
-def fused_seconds(b: float, heads: float, s: float, d: float, g: GpuRates, mem_efficient_fraction: float) -> float:
+def fused_seconds(b: float, heads: float, s: float, d: float, g: GpuRates, mem_efficient_fraction: float,
+                  package: bool = False) -> float:
     """Seconds of a causal fused attention's forward + backward over b sequences of s tokens."""
-    rate = fused_rate(b, heads, s, d, g) * (1.0 if g.fused_attention else mem_efficient_fraction)
+    rate = fused_rate(b, heads, s, d, g, package) * (1.0 if g.fused_attention else mem_efficient_fraction)
     return 12.0 * b * heads * s * s * d / rate
 
 

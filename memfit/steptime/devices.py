@@ -12,7 +12,9 @@ GPU time model's parts divide by, each from a public source.
 * ``attention_max`` — FlashAttention-2's forward + backward FLOP/s at long sequences as a fraction of the
   peak (FA2 paper arXiv 2307.08691: up to ~230 TFLOP/s = 0.6-0.73 of A100's 312 forward, ~0.55-0.6 forward +
   backward; FA3 paper arXiv 2407.08608: FA2 reaches only ~0.35-0.4 of H100's). Ampere / Ada / others take
-  the Profile's ``attention_max_fraction``.
+  the Profile's ``attention_max_fraction``. That is SDPA's kernel; on Hopper torch 2.13's SDPA runs cuDNN's
+  attention, and ``flash_attn_package_max`` is the flash-attn 2 package's (``attention: fa2``): FA3 paper Figs.
+  5-6, forward 335 and backward 322 TFLOP/s of H100's 989 at 16k, head dim 128.
 * ``p2p`` — whether the cards of one node exchange over NVLink or PCIe peer-to-peer. GeForce cards without an
   NVLink bridge have none (RTX 4090: disabled in the driver; RTX 3090: "CANNOT Access Peer", NVIDIA/nccl#1127):
   NCCL falls back to its SHM transport through host memory, at ``Profile.shm_bus_fraction`` of the PCIe link
@@ -39,12 +41,15 @@ class DeviceKind:
     attention_max: Optional[float] = None  # FA2 fwd+bwd / peak at long sequences; None: the Profile's
     p2p: bool = True
     fused_attention: bool = True  # FlashAttention-2 kernels (sm80+); older parts run SDPA's mem-efficient one
+    flash_attn_package_max: Optional[float] = None  # the flash-attn 2 package (attention: fa2) where torch's SDPA
+    #                                      runs another kernel (Hopper: cuDNN's); None: the same as attention_max
 
 
 def _devices() -> dict[str, DeviceKind]:
     """Every kind's speeds from its record (memfit/spec/gpus/<name>.json, sources inside)."""
     return {r["name"]: DeviceKind(r["name"], r["sms"], r["hbm_gbs"] * GB, r["arch"], r.get("matmul_max"),
-                                  r.get("attention_max"), r.get("p2p", True), r.get("fused_attention", True))
+                                  r.get("attention_max"), r.get("p2p", True), r.get("fused_attention", True),
+                                  r.get("flash_attn_package_max"))
             for r in gpus.records()}
 
 

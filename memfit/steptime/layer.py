@@ -52,6 +52,7 @@ class Shape(NamedTuple):
     group_in_node: bool = True  # that group sits in one node
     offload_per_token: float = 0.0  # activations offloaded per local token (memfit.estimate.longctx)
     tiled_mlp: bool = False     # DeepSpeed's TiledMLP: the MLP's forward once more, in its backward
+    flash_package: bool = False  # attention: fa2, the flash-attn 2 package's kernel (else SDPA's)
 
 # the attention block's linears (any other decoder-layer linear is the MLP's: the tiled MLP recomputes those)
 ATTENTION_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "query_key_value", "dense", "c_attn",
@@ -105,7 +106,7 @@ def _ops(model: ModelSpec, sh: Shape, st) -> tuple:
     method, extra_ops = _method_ops(model, sh, st)
     ops += method
     context = sh.sequence_parallel * sh.context_parallel
-    ops.append(Attention(model.heads, model.head_dim, model.q_dim, L, sh.eager, gc, e, context))
+    ops.append(Attention(model.heads, model.head_dim, model.q_dim, L, sh.eager, gc, e, context, sh.flash_package))
     ops += _sequence_ops(model, sh)
     fwd = 1.0 + 2.0 + (1.0 if gc else 0.0)  # forward, backward (x2), recomputation
     ops.append(Bytes(L * elementwise_cached(model, se) * fwd, size_per_token=h * se))
@@ -188,4 +189,4 @@ def shape_for(model: ModelSpec, st, e: float, adapted: frozenset, meft_rows: flo
                  fp32_stream, method.quantized, meft_rows, router, chunked, chunked and engine.loss_recomputes_head,
                  engine.unit_hooks, hooks, engine.module_fetch_hooks, st.method, getattr(st, "peft_config", None),
                  st.precision, st.sequence_parallel, st.context_parallel, group_in_node,
-                 offloaded / (float(st.micro_batch_size) * st.seq_len), st.tiled_mlp)
+                 offloaded / (float(st.micro_batch_size) * st.seq_len), st.tiled_mlp, st.attention == "fa2")

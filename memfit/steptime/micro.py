@@ -61,7 +61,8 @@ class CatalogGpu:
         if op.eager:
             prod, scores = eager_seconds(b, heads, s, op.head_dim, g, op.e, p.eager_score_bytes)
             return op.layers * (prod + scores) * redo
-        return op.layers * fused_seconds(b, heads, s, op.head_dim, g, p.mem_efficient_attention_fraction) * redo
+        return op.layers * fused_seconds(b, heads, s, op.head_dim, g, p.mem_efficient_attention_fraction,
+                                         op.package) * redo
 
     def exchange(self, op, tokens: float) -> float:
         """The group's collective at its link: NVLink / PCIe within a node, else the pool's bus."""

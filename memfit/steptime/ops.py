@@ -76,6 +76,7 @@ class Attention:
     e: float
     context: int = 1  # ranks sharing each sequence: each attends its share (heads / N over the whole sequence
     #                   under Ulysses; its queries over all keys under context parallelism) of N x the local length
+    package: bool = False  # the flash-attn 2 package's kernel (attention: fa2), else torch SDPA's
 
     def flops(self, batch: float, seq: float) -> float:
         full = seq * self.context

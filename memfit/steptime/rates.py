@@ -22,6 +22,7 @@ class GpuRates:
     bandwidth_half_bytes: float  # transfer size at which an elementwise kernel reaches half of that
     attention_max: float  # fused attention, forward + backward, share of ``peak`` at long sequences
     attention_half_seq: float  # sequence length at which it reaches half of that
+    package_attention_max: float  # the same for the flash-attn 2 package (attention: fa2), where it differs
     fused_attention: bool  # FlashAttention-2 kernels (sm80+); else SDPA's memory-efficient kernel
     host_op_seconds: float  # host: PyTorch eager dispatch + launch of one module-level op, forward + backward
 
@@ -41,11 +42,12 @@ def gpu_rates(gpu, precision: str, profile) -> GpuRates:
     # matmul_sustained_fraction of it (clocks at the power limit, HBM shared with the kernels beside them)
     published = kind.matmul_max * profile.matmul_sustained_fraction if kind.matmul_max else None
     matmul_max = profile.utilization_fp32 if fp32 else (published or profile.gemm_max_fraction)
+    attention = (kind.attention_max or profile.attention_max_fraction) * (0.5 if fp32 else 1.0)
     return GpuRates(
         name=gpu.name, sms=kind.sms, peak=peak, fp32_peak=gpu.fp32_flops, matmul_max=matmul_max,
         gemm_kernel_seconds=profile.gemm_kernel_seconds, small_tile_efficiency=profile.gemm_small_tile_efficiency,
         hbm=kind.hbm, bandwidth_max=profile.bandwidth_max_fraction,
         bandwidth_half_bytes=profile.bandwidth_half_bytes,
-        attention_max=(kind.attention_max or profile.attention_max_fraction) * (0.5 if fp32 else 1.0),
-        attention_half_seq=profile.attention_half_seq, fused_attention=kind.fused_attention,
+        attention_max=attention, attention_half_seq=profile.attention_half_seq,
+        package_attention_max=kind.flash_attn_package_max or attention, fused_attention=kind.fused_attention,
         host_op_seconds=profile.gpu_host_op_seconds)

@@ -281,7 +281,8 @@ def catalog_speeds(hw: HardwareSpec, precision: str, attention: str, profile: Ti
         g = gpu_rates(gpu, precision, p)
         peak, large = g.peak, g.peak * g.matmul_max
         bw = device_kind(gpu.name).hbm * p.bandwidth_max_fraction
-        op_s, att = g.host_op_seconds, g.peak * g.attention_max
+        op_s = g.host_op_seconds
+        att = g.peak * (g.package_attention_max if attention == "fa2" else g.attention_max)
         # per fp32 parameter; 16-bit states (pure bf16 full fine-tuning) scale it at use (steptime.loop)
         adam = p.adam_bytes_per_param / (device_kind(gpu.name).hbm * p.adam_bandwidth_fraction)
         cpu_adam = hw.gpus_per_node / p.cpu_adam_params_per_second_node

@@ -128,3 +128,19 @@ def test_cpu_heap_keeps_holes_of_the_layers_activations():
     assert layers / 0.92 < 2 * LAYER
     cpu_rss = lambda e: e.gpu_total + e.cpu_total  # noqa: E731 - one RAM: tensors + heap holes + baseline
     assert cpu_rss(run()) == pytest.approx(run().gpu_allocated + full + 0.6e9)
+
+
+def test_zero3_step_copies_one_sub_group_to_fp32():
+    """DeepSpeed ZeRO-3 upcasts its gradient partition one sub-group at a time (sub_group_size 1e9 local elements,
+    closed by the parameter that reaches it: stage3.py _create_fp16_sub_groups / _prepare_fp32_grad_for_sub_group);
+    ZeRO-2 the whole partition."""
+    m = resolve_model("llama-3.1-8b")
+
+    def step_temp(n: int, zero: int) -> float:
+        s = Strategy(method="full", zero_stage=zero, offload="none", gradient_checkpointing=True, seq_len=1024)
+        return estimate(m, parse_hardware(f"{n}xH200-141GB"), s).to_dict()["memory"]["gpu_bytes"]["step_temporaries"]
+
+    embedding = 128256 * 4096  # the largest parameter
+    assert step_temp(1, 3) == pytest.approx((1e9 + embedding) * 4, rel=1e-9)
+    assert step_temp(8, 3) == pytest.approx(m.parameters / 8 * 4, rel=1e-9)  # one sub-group holds the partition
+    assert step_temp(1, 2) >= m.parameters * 4

@@ -24,7 +24,8 @@ A100 = parse_hardware("A100-80GB")
 def h100(**kw) -> GpuRates:
     base = dict(name="H100", sms=132, peak=989e12, fp32_peak=67e12, matmul_max=0.8, gemm_kernel_seconds=5e-6,
                 small_tile_efficiency=0.8, hbm=3350e9, bandwidth_max=0.9, bandwidth_half_bytes=2e6,
-                attention_max=0.37, attention_half_seq=400.0, fused_attention=True, host_op_seconds=3e-5)
+                attention_max=0.37, attention_half_seq=400.0, package_attention_max=0.33, fused_attention=True,
+                host_op_seconds=3e-5)
     return GpuRates(**{**base, **kw})
 
 
@@ -203,3 +204,21 @@ def test_eager_attention_by_hand():
     prod = 2 * gemm_seconds(b * heads * s, s, d, g) + 4 * gemm_seconds(b * heads * s, d, s, g)
     scores = b * heads * s * s
     assert eager_seconds(b, heads, s, d, g, 2.0, 88.0) == pytest.approx((prod, scores * 88 / g.bandwidth(scores * 2)))
+
+
+def test_flash_attn_package_runs_at_its_own_rate_on_hopper_only():
+    """attention: fa2 is the flash-attn 2 package: on H100 its FA3-paper rate (0.33 of the peak), where SDPA runs
+    torch's pick (cuDNN, 0.37); on an A100 both are the same FA2 kernels."""
+    from memfit.estimate import estimate
+    from memfit.spec.model import resolve_model
+
+    model = resolve_model("llama-3.1-8b")
+    st = dict(method="full", fsdp="full_shard", gradient_checkpointing=True, seq_len=65536, micro_batch_size=1,
+              precision="bf16-mixed")
+    att = {}
+    for gpu in ("H100-80GB", "A100-80GB"):
+        for kernel in ("sdpa", "fa2"):
+            est = estimate(model, parse_hardware(f"8x{gpu}"), Strategy(**st, attention=kernel))
+            att[gpu, kernel] = est.to_dict()["time"]["attention_seconds"]
+    assert att["H100-80GB", "fa2"] == pytest.approx(att["H100-80GB", "sdpa"] * 0.37 / 0.33, rel=1e-9)
+    assert att["A100-80GB", "fa2"] == pytest.approx(att["A100-80GB", "sdpa"], rel=1e-9)
