@@ -11,7 +11,8 @@ Per metric, on the row's own reading:
   * reserved / peak_unspecified: memfit's per-GPU reserved peak (torch max_memory_reserved), or the nvidia-smi
     level (reserved + CUDA context + NCCL buffers) for a peak whose reading is not named;
   * max_seq_len: the longest seq_len memfit calls fitting (``estimate(..., margin=0).fits``: the card's whole
-    usable memory and the node's CPU RAM, the row's strategy), by bisection between 1024 and 16M tokens in
+    usable memory and the node's CPU RAM, the row's strategy, no evaluation phase: the runs evaluate nothing),
+    by bisection between 1024 and 16M tokens in
     steps the levers allow (a multiple of the Ulysses degree, of 2 x the CP degree);
   * tokens_per_s: tokens per optimizer step / memfit's step time (data-parallel replicas x micro-batch x
     accumulation x seq_len; per GPU or the pool's total as the row's unit says); s_per_step: the step time;
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from memfit.estimate import DEFAULT_PROFILE, estimate
+from memfit.spec.phases import EvalSpec, RunPhases
 
 from bench import provenance
 from bench.long_context_rows import DEFAULT_FILE, GROUP, Case, load
@@ -43,10 +45,14 @@ TARGETS = {"memory_median_abs_pct": 10.0, "memory_max_abs_pct": 25.0, "longest_m
            "tokens_per_s_median_abs_pct": 20.0}  # issue #36's "done when"
 
 
+# the published runs benchmark training and evaluate nothing: no evaluation phase in the verdict
+NO_EVAL = RunPhases(eval=EvalSpec(enabled=False))
+
+
 def _estimate(case: Case, seq_len: int | None = None):
     s = case.strategy if seq_len is None else case.strategy.model_copy(update={"seq_len": int(seq_len)})
     profile = DEFAULT_PROFILE.with_values(**case.overrides) if case.overrides else DEFAULT_PROFILE
-    return estimate(case.model, case.hardware, s, profile=profile, margin=0.0)
+    return estimate(case.model, case.hardware, s, profile=profile, margin=0.0, phases=NO_EVAL)
 
 
 def memory(case: Case) -> float:
@@ -164,8 +170,42 @@ def summarize(results: list[dict], skipped: list[dict], total: int) -> dict:
     }
 
 
+FLOOR = "published peak below its setup's states"
+
+
+def states_floor(case: Case) -> float:
+    """Per-GPU bytes of the weights, gradients and optimizer states of the run as mapped: all live at the optimizer
+    step, whatever the activations."""
+    g = _estimate(case).to_dict()["memory"]["gpu_bytes"]
+    return g["weights"] + g["gradients"] + g["optimizer"]
+
+
+def below_floor(cases: list[Case]) -> tuple[list[Case], list[dict]]:
+    """Memory rows a setup cannot have produced: where one published peak is below :func:`states_floor`, the
+    source left out a lever that ran (an 8-bit optimizer, offload, sharding), so every memory row of that source,
+    model and pool is not stated. (cases kept, rows not stated)."""
+    bad: dict = {}
+    for c in cases:
+        if c.metric in MEMORY and c.published < states_floor(c):
+            bad.setdefault((c.source, c.model.name, c.hardware.describe()), (c, states_floor(c)))
+    kept, skipped = [], []
+    for c in cases:
+        hit = bad.get((c.source, c.model.name, c.hardware.describe())) if c.metric in MEMORY else None
+        if hit is None:
+            kept.append(c)
+            continue
+        first, floor = hit
+        skipped.append({"id": c.id, "source": c.source, "metric": c.metric, "category": FLOOR, "reasons": [
+            f"{first.id} published {first.published / 1e9:.1f} GB, below the {floor / 1e9:.1f} GB of weights, "
+            f"gradients and optimizer states its setup as published holds ({first.strategy.label()}): a lever the "
+            "source does not name ran (an 8-bit optimizer, offload, sharding)"]})
+    return kept, skipped
+
+
 def run(path: Path = DEFAULT_FILE) -> tuple[list[dict], list[dict], dict]:
     cases, skipped = load(path)
+    cases, floor = below_floor(cases)
+    skipped += floor
     results = [predict(c) for c in cases]
     return results, skipped, summarize(results, skipped, len(cases) + len(skipped))
 

@@ -23,8 +23,9 @@ source group "long-context", so every figure is development):
   -> not stated. activation_offload: the checkpointed layers' inputs (hidden states, ALST's / axolotl's
   checkpoint offload) -> checkpointed; "all saved activations" -> all. tiled_mlp as published.
 * loss: a fused *linear* cross-entropy (Liger's FLCE: never the whole logits) -> loss=chunked; another fused
-  CE kernel (flash-attn's xentropy still takes the whole logits) -> standard. Liger's other kernels (RMSNorm,
-  SwiGLU, RoPE) are not modelled (noted on the row).
+  CE kernel (flash-attn's xentropy still takes the whole logits) -> standard. liger_kernel with Liger's FLCE ->
+  liger=true (its RMSNorm, fused gate activation and RoPE too, as transformers' use_liger_kernel applies them);
+  without it -> noted, not modelled.
 * attention: fa2 named -> fa2; SDPA or not published -> sdpa (transformers' default); TE / per-chunk
   attention -> not stated.
 * precision: "mixed"/"master" named, or bf16 under DeepSpeed (its bf16 optimizer keeps fp32 master weights
@@ -288,8 +289,10 @@ def convert(row: dict) -> Case:
     kw["loss"] = "chunked" if "flce" in fused or "fused linear" in fused else "standard"
     if fused and kw["loss"] == "standard":
         notes.append(f"fused CE {lv['fused_ce']!r} priced as the standard loss (the logits still whole)")
-    if lv.get("liger_kernel"):
-        notes.append("Liger's RMSNorm / SwiGLU / RoPE kernels not modelled")
+    if lv.get("liger_kernel") and kw["loss"] == "chunked":
+        kw["liger"] = True  # Liger's RMSNorm, fused gate activation, RoPE and its fused linear cross-entropy
+    elif lv.get("liger_kernel"):
+        notes.append("Liger's kernels without its fused linear cross-entropy: not modelled")
     kw["precision"] = _precision(row, engine)
     if row.get("micro_batch") is None:
         reasons.append("micro-batch not published")

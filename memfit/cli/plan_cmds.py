@@ -102,6 +102,8 @@ def _strategy_options() -> dict[str, Any]:
                                         rich_help_panel=S),
         tiled_mlp=typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="DeepSpeed's TiledMLP: the MLP in "
                                "sequence tiles (ZeRO).", rich_help_panel=S),
+        liger=typer.Option(None, "--liger/--no-liger", help="Liger Kernel (GPUs): its RMSNorm, fused gate "
+                           "activation, RoPE and fused linear cross-entropy (so --loss chunked).", rich_help_panel=S),
         allocator=typer.Option(None, "--allocator", help="default | expandable_segments (the CUDA caching "
                                "allocator's mode; memfit train sets PYTORCH_CUDA_ALLOC_CONF): expandable "
                                "segments hold no cached working sets.", rich_help_panel=S),
@@ -364,7 +366,7 @@ def _with_strategy_flags(fn: Any) -> Any:
     kinds = {"zero": int, "fsdp_version": int, "lora_r": int, "lora_alpha": int, "meft_neurons": int,
              "meft_top_k": int, "lora_dropout": float, "gradient_checkpointing": bool, "double_quant": bool,
              "lora_rslora": bool, "fsdp_sync_each_batch": bool, "hf_legacy_checkpoint": bool, "sequence_parallel": int,
-             "context_parallel": int, "tiled_mlp": bool}
+             "context_parallel": int, "tiled_mlp": bool, "liger": bool}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt,
                                annotation=Optional[kinds.get(name, str)])
              for name, opt in _strategy_options().items()]

@@ -23,12 +23,12 @@ MLP change in one rank's memory. Paths under ``site-packages/`` at the pinned ve
   the pinned allocator that rounds each block up to a power of two (memfit.estimate.pinned).
 - **Tiled MLP** (``ulysses_sp.py`` ``TiledMLP``, ``tiled_mlp_forward``: ``ceil(seqlen / hidden)`` shards): the
   MLP's forward runs shard by shard without saving anything but its input; its backward recomputes each shard
-  with gradients, so only one shard's intermediates and their gradients are live.
+  with gradients, so only one shard's intermediates and their gradients are live (priced with the layer's saved
+  set: memfit.estimate.activations ``mlp_shards``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from memfit.estimate.pinned import pinned_block
@@ -95,22 +95,6 @@ def _offloaded(run: Setup, saved: Saved) -> tuple[float, float]:
     return moved, host
 
 
-def _tiled(run: Setup, saved: Saved) -> Saved:
-    """The tiled MLP's relief: its intermediates no longer saved (only its input, which the norm output already
-    is), its backward one shard's intermediates and gradients at a time."""
-    model, st = run.model, run.strategy
-    tokens = float(st.micro_batch_size) * st.seq_len
-    shards = max(1, math.ceil(st.seq_len / model.hidden))
-    gated = model.mlp in ("swiglu", "geglu")
-    e = run.value_b
-    inter = tokens * e * model.intermediate * (3.0 if gated else 1.0)  # gate, act(gate), up (GeLU: its input)
-    grads = tokens * e * model.intermediate * (2.0 if gated else 1.0)
-    layers = run.profile.checkpoint_extra_layers if run.gc else model.layers
-    act_layers = max(0.0, saved.act_layers - layers * inter * (1.0 - 1.0 / shards))
-    act_bwd = max(0.0, saved.act_bwd - grads * (1.0 - 1.0 / shards))
-    return saved._replace(act_layers=act_layers, act_bwd=act_bwd)
-
-
 def _exchange(run: Setup, global_seq: int) -> float:
     """Bytes one layer's sequence exchange holds in flight beside its working set."""
     st, model, e = run.strategy, run.model, run.value_b
@@ -126,9 +110,8 @@ def _exchange(run: Setup, global_seq: int) -> float:
 
 
 def long_context(run: Setup, saved: Saved, global_seq: int) -> LongContext:
-    """``saved`` (at the local length) after offloading and tiling, the host bytes and copies, the exchange."""
-    if run.strategy.tiled_mlp:
-        saved = _tiled(run, saved)
+    """``saved`` (at the local length; the tiled MLP's in memfit.estimate.activations) after offloading, the host
+    bytes and copies, the exchange."""
     moved, host = _offloaded(run, saved)
     if run.gpu.is_cpu:  # no device to leave: the copies land in the same RAM the originals leave
         host = 0.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from memfit.estimate.activations import ROLES
 from memfit.estimate.constants import Profile
 from memfit.spec.model import ModelSpec
-from memfit.spec.strategy import loss_chunk_tokens
+from memfit.spec.strategy import liger_chunk_tokens, loss_chunk_tokens
 
 # Optimizer state bytes per trainable parameter, without any fp32 master copy.
 _OPT_STATES = {"adamw": 8.0, "adamw8bit": 2.0, "sgd": 4.0}
@@ -97,14 +97,19 @@ def numbers(model: ModelSpec) -> ModelNumbers:
 
 
 def logits_bytes(model: ModelSpec, s: int, b: int, precision: str, profile: Profile,
-                 loss: str = "standard", fused: bool = True) -> float:
+                 loss: str = "standard", fused: bool = True, liger: bool = False) -> float:
     """b·s·V values at the loss peak: the logits, the fp32 log-softmax and two fp32 gradients. With
     ``loss="chunked"`` (memfit.train.loss) one chunk of ``loss_chunk_tokens`` tokens: the forward makes
     each chunk's logits, loss and gradients and frees them before the next chunk (or, on the recomputing
     path, backward recomputes them chunk by chunk), so the same per-logit bytes are live for one chunk at
     a time: on the fused path (``fused``) ``chunked_logits_bytes`` per logit (the chunk's fp32 logits, turned
     into the softmax and the gradient in place, and logsumexp's temporary), on the recomputing path the
-    standard path's (the recomputed logits, their log-softmax and the two gradients)."""
+    standard path's (the recomputed logits, their log-softmax and the two gradients). ``liger``: Liger's fused
+    linear cross-entropy, one chunk of :func:`liger_chunk_tokens` logits in the input's dtype (``logits_storage``,
+    the cross-entropy kernel writes the gradient over it)."""
+    if liger:
+        return float(liger_chunk_tokens(model.vocab, model.hidden, b * s)) * model.vocab * \
+            (4.0 if precision == "fp32" else 2.0)
     per = profile.logits_bytes_fp32 if precision == "fp32" else profile.logits_bytes_16bit
     tokens = float(b) * s
     if loss == "chunked":

@@ -73,6 +73,9 @@ def eval_gpu(run, x: PhaseInputs, phases: RunPhases) -> float:
     logit_b = (0.0 if e == 4.0 else e) + 8.0  # 16-bit logits + fp32 upcast and log-softmax (phase F's form)
     # the loss: its logits terms + the hidden states still held (the embeddings' output, the last layer's, the norm's)
     logits = x.logits * scale * (1.0 if st.loss == "chunked" else logit_b / 12.0) + 3.0 * x.hidden * scale
+    # Liger (liger: true): its forward fuses the loss only in training (liger_kernel/transformers/model/llama.py
+    # lce_forward: skip_logits = self.training and labels given), but the Trainer asks for it in a loss-only
+    # evaluation too (transformers 5.24 trainer.py prediction_step: skip_logits=True): the chunked line
     # a decoder layer's forward (its unit gathered) and the loss (the layers resharded) are not live together;
     # the root / tail units stay gathered (no backward comes to reshard them)
     forward = max(x.layer_bufs + x.layer_set * scale, logits)
@@ -165,21 +168,27 @@ def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
         p = run.profile
         load_proc = p.process_baseline_load_cpu + (p.process_peft_import_cpu if run.method.fp32_adapters else 0.0)
         load_cpu = run.hardware.gpus_per_node * load_proc + max(x.loading, x.steady + x.unpinned)
-        return {"load": (_resident_at_load(run, x, trainable), load_cpu), "train_step": (x.train_gpu, train_cpu),
-                "eval": (eval_gpu(run, at_rest, phases), train_cpu),
-                "save": (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
-                         + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
-                         train_cpu)}
+        out = {"load": (_resident_at_load(run, x, trainable), load_cpu), "train_step": (x.train_gpu, train_cpu),
+               "eval": (eval_gpu(run, at_rest, phases), train_cpu),
+               "save": (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
+                        + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
+                        train_cpu)}
+        if not phases.eval.enabled:
+            del out["eval"]
+        return out
     load_gpu = max(x.gpu_loading, x.weights) + x.fixed
     eval_cpu = train_cpu
     if not phases.eval.loss_only:  # get_arrays: every rank holds all of the logits as fp32 numpy at the end
         kept_batches(run, phases)  # the example count is given
         eval_cpu += run.hardware.gpus_per_node * phases.eval.examples * run.strategy.seq_len \
             * run.model.vocab * 4.0
-    return {"load": (load_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
-            "eval": (eval_gpu(run, x, phases), eval_cpu),
-            "save": (save_gpu(run, x, mode, unit_bytes(run, weights_all)),
-                     save_cpu(run, x, mode, weights_all, trainable))}
+    out = {"load": (load_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
+           "eval": (eval_gpu(run, x, phases), eval_cpu),
+           "save": (save_gpu(run, x, mode, unit_bytes(run, weights_all)),
+                    save_cpu(run, x, mode, weights_all, trainable))}
+    if not phases.eval.enabled:
+        del out["eval"]
+    return out
 
 
 ORDER = ("train_step", "load", "eval", "save")  # ties go to the training step
@@ -259,6 +268,7 @@ def phase_inputs(run, states, bufs, saved, static: float, formula: float, split:
 def settings(strategy, phases: RunPhases) -> dict:
     """The eval and save keys as priced (``--json``'s ``memory.phase_settings``; the run summary's)."""
     ev = phases.eval
-    return {"eval": {"batch_size": ev.batch_size or strategy.micro_batch_size, "loss_only": ev.loss_only,
+    return {"eval": {"enabled": ev.enabled, "batch_size": ev.batch_size or strategy.micro_batch_size,
+                     "loss_only": ev.loss_only,
                      "accumulation_steps": ev.accumulation_steps, "examples": ev.examples},
             "save": {"mode": save_mode(strategy, phases.save.mode)}}

@@ -49,7 +49,8 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     act_in, act_layers, act_tail, act_bwd = A.activation_parts(
         model, s, b, e, attention, gc, p, trained=run.method.trains_base, adapted=adapted,
         shares=st.lora_dropout == 0 and not cast_copy, autocast=autocast, adapter_grad=cast_copy * widest,
-        adapter_mlp_side=after_attn, fp32_stream=fp32_stream)
+        adapter_mlp_side=after_attn, fp32_stream=fp32_stream, liger=st.liger,
+        mlp_shards=max(1, -(-s // model.hidden)) if st.tiled_mlp else 1)
     # at the end of the forward the model still holds the final norm's output, and its KV cache (use_cache:
     # what the trainer leaves on unless checkpointing turns it off): under autocast RoPE promotes k to
     # fp32 while SDPA saves its own 16-bit copy, elsewhere the cache shares what attention saves
@@ -59,10 +60,10 @@ def saved_tensors(run: Setup, params: Parameters, attention: str) -> Saved:
     act_fwd = float(b) * s * (residual_b * model.hidden
                               + (model.layers * model.kv_dim * 4.0 if autocast and not gc else 0.0))
     act_fwd *= 0.0 if p.activation_korthikanti else p.activation_scale
-    # loss=chunked: the fused path (gradients made in the forward) except under DeepSpeed ZeRO-3, whose
-    # partitioned head weight only the module call gathers (the recomputing path)
-    fused = st.loss == "chunked" and not run.engine.loss_recomputes_head
-    logits = M.logits_bytes(model, s, b, run.precision, p, st.loss, fused)
+    # loss=chunked: the fused path (gradients made in the forward) except memfit's own under DeepSpeed ZeRO-3,
+    # whose partitioned head weight only the module call gathers (the recomputing path); Liger's always fuses
+    fused = st.loss == "chunked" and (st.liger or not run.engine.loss_recomputes_head)
+    logits = M.logits_bytes(model, s, b, run.precision, p, st.loss, fused, st.liger)
     head_grad = 0.0
     if st.loss == "chunked":  # + the hidden-state gradients the loss makes in the forward, held for backward
         logits += float(b) * s * model.hidden * residual_b

@@ -137,13 +137,37 @@ def _tiled_mlp(model: Any, hw: Any, s: Strategy) -> str | None:
     return None
 
 
+# the model types liger-kernel 0.8.5 patches (liger_kernel/transformers/monkey_patch.py
+# MODEL_TYPE_TO_APPLY_LIGER_FN), which transformers' use_liger_kernel looks the model up in
+LIGER_MODEL_TYPES = frozenset((
+    "deepseek_v2", "deepseek_v3", "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text",
+    "gemma4", "gemma4_text", "glm4", "glm4v", "glm4v_moe", "gpt_oss", "granite", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "internvl", "llama", "llama4", "llama4_text", "llava", "ministral", "mistral", "mixtral",
+    "mllama", "mllama_text_model", "muse_glimmer", "nemotron", "olmo2", "olmo3", "paligemma", "phi3", "pixtral",
+    "qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text", "qwen3", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_text",
+    "qwen3_vl_text", "smollm3", "smolvlm"))
+
+
+def _liger(model: Any, hw: Any, s: Strategy) -> str | None:
+    if not s.liger:
+        return None
+    if hw.gpu.is_cpu:
+        return ("liger=true: Liger Kernel's kernels are Triton kernels for GPUs; the CPU device cannot run them "
+                "(estimate it for a GPU pool, or set liger=false)")
+    if model.family not in LIGER_MODEL_TYPES:
+        return (f"liger=true: Liger Kernel 0.8.5 patches no {model.family!r} model (llama, mistral, mixtral, qwen2, "
+                "qwen3, gemma, phi3, granite, ...); set liger=false")
+    return None
+
+
 def _method(model: Any, hw: Any, s: Strategy) -> list[str]:
     """The method's own rules (memfit.methods: LoRA targets, QLoRA storage, MEFT engines and CPU store)."""
     return METHODS[s.method].rules(model, hw, s)
 
 
 RULES: tuple[Rule, ...] = (_context, _attention, _precision, _offload, _fsdp_version, _sequence_parallel,
-                           _context_parallel, _activation_offload, _tiled_mlp)
+                           _context_parallel, _activation_offload, _tiled_mlp, _liger)
 
 
 def check(model: Any, hardware: Any, strategy: Strategy) -> list[str]:

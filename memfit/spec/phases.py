@@ -19,6 +19,8 @@ class EvalSpec(BaseModel):
     """The evaluation loop (transformers 5.24 ``Trainer.evaluate`` / ``evaluation_loop``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = Field(True, description="false: the run evaluates nothing (no evaluation data, as memfit train "
+                          "without data.eval) and the phase is not priced")
     batch_size: Optional[int] = Field(None, ge=1, description="sequences per GPU per evaluation batch; null = the "
                                       "training micro-batch (memfit train's per_device_eval_batch_size)")
     loss_only: bool = Field(True, description="the loss alone (Trainer.evaluate passes prediction_loss_only=True "

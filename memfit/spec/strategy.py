@@ -43,6 +43,15 @@ def loss_chunk_tokens(vocab: int, tokens: int) -> int:
     """Tokens per chunk of the chunked loss for ``tokens`` (= micro-batch x seq_len) flattened tokens."""
     return max(1, min(int(tokens), LOSS_CHUNK_TOKENS))
 
+
+def liger_chunk_tokens(vocab: int, hidden: int, tokens: int) -> int:
+    """Tokens per chunk of Liger's fused linear cross-entropy (liger-kernel 0.8.5 ops/fused_linear_cross_entropy.py:
+    ``inc_factor = cdiv(V, chunk_mem_const * H)`` with chunk_mem_const 1, ``chunk_size = next_power_of_2(cdiv(BT,
+    inc_factor))``, at most BT): a chunk's logits about the size of the hidden states."""
+    per = max(1, -(-int(tokens) // max(1, -(-vocab // hidden))))
+    return max(1, min(int(tokens), 1 << (per - 1).bit_length()))
+
+
 __all__ = ["DEFAULT_LORA_TARGETS", "QuantStorage", "Strategy"]
 
 
@@ -79,6 +88,9 @@ class Levers(BaseModel):
     seq_len: int = Field(512, ge=1)
     loss: Loss = Field("standard", description="chunked: output projection + cross-entropy over token chunks, "
                        "recomputed in backward (memfit.train.loss); never the full [tokens, vocab] logits")
+    liger: bool = Field(False, description="Liger Kernel's Triton kernels as transformers' use_liger_kernel applies "
+                        "them (CUDA GPUs): RMSNorm, the fused gate activation (SwiGLU / GeGLU), RoPE and the fused "
+                        "linear cross-entropy, so the loss is chunked (loss: chunked, set for you)")
     allocator: Allocator = Field("default", description="the CUDA caching allocator's mode: default, or "
                                  "expandable_segments (memfit train sets PYTORCH_CUDA_ALLOC_CONF="
                                  "expandable_segments:True on CUDA): one growing segment per stream whose free "
@@ -122,6 +134,8 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
         # (a run file or --set that turns FSDP off keeps working, and DDP/ZeRO never differ by it)
         if isinstance(data, dict) and not data.get("fsdp") and data.get("fsdp_version", 2) != 2:
             data = {**data, "fsdp_version": 2}
+        if isinstance(data, dict) and data.get("liger") and "loss" not in data:
+            data = {**data, "loss": "chunked"}  # Liger's fused linear cross-entropy never makes the whole logits
         if isinstance(data, dict) and data.get("hf_legacy_checkpoint") and not data.get("gradient_checkpointing"):
             data = {**data, "hf_legacy_checkpoint": False}  # the checkpoint's kind means nothing without it
         # likewise fsdp_sync_each_batch: it decides something only under FSDP with accumulation
@@ -151,6 +165,9 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
             raise ValueError(f"sequence_parallel={self.sequence_parallel} and context_parallel="
                              f"{self.context_parallel}: accelerate runs one of the two (ParallelismConfig); set the "
                              "other to 1")
+        if self.liger and self.loss != "chunked":
+            raise ValueError(f"liger=true computes the loss with Liger's fused linear cross-entropy (loss='chunked'), "
+                             f"not loss={self.loss!r}: drop the loss setting or set liger=false")
         if (self.method == "peft") != (self.peft_config is not None):
             raise ValueError("method=peft reads a peft_config (a mapping of PEFT config keys, or the path of an "
                              "adapter_config.json) and no other method does: set both or neither")
@@ -178,7 +195,9 @@ class Strategy(PeftSettings, MeftSettings, QLoraSettings, LoraSettings, Levers):
             parts.append(f"offload:{self.offload}")
         if not self.fsdp_sync_each_batch:
             parts.append("no-sync")
-        if self.loss != "standard":
+        if self.liger:
+            parts.append("liger")
+        elif self.loss != "standard":
             parts.append(f"{self.loss}-ce")
         if self.allocator != "default":
             parts.append("expandable")

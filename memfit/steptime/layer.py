@@ -186,7 +186,8 @@ def shape_for(model: ModelSpec, st, e: float, adapted: frozenset, meft_rows: flo
     method = METHODS[st.method]
     return Shape(st.micro_batch_size, st.seq_len, st.gradient_checkpointing, st.attention == "eager", e,
                  method.trains_base, adapted, st.lora_r, st.lora_dropout > 0, st.precision in ("bf16", "fp32"),
-                 fp32_stream, method.quantized, meft_rows, router, chunked, chunked and engine.loss_recomputes_head,
+                 fp32_stream, method.quantized, meft_rows, router, chunked,
+                 chunked and engine.loss_recomputes_head and not st.liger,
                  engine.unit_hooks, hooks, engine.module_fetch_hooks, st.method, getattr(st, "peft_config", None),
                  st.precision, st.sequence_parallel, st.context_parallel, group_in_node,
                  offloaded / (float(st.micro_batch_size) * st.seq_len), st.tiled_mlp, st.attention == "fa2")

@@ -245,6 +245,8 @@ def _train(run, out: Path, ckpt: Optional[Path], callbacks: Sequence, overwrite:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     train_ds, eval_ds, report = data if data is not None else prepare_datasets(
         run, tokenizer, info.max_positions, vocab if isinstance(vocab, int) else None)
+    if not run.eval.enabled:  # eval.enabled: false, as the estimate prices it: no evaluation phase
+        eval_ds = None
     stats = StepStats()
     cbs: list = [stats]
     if run.strategy.activation_offload != "none":

@@ -160,7 +160,8 @@ def build_model(run, local_rank: int = 0, engine=None, tokenizer: bool = True):
         kwargs["rope_parameters"] = rope_parameters(cfg, run.rope_scaling)
     model = _load(AutoModelForCausalLM, path, kwargs)
     model.config.use_cache = False
-    if s.loss == "chunked":  # on the transformers model itself, before PEFT / MEFT / engine wrapping
+    if s.loss == "chunked" and not s.liger:  # on the transformers model itself, before PEFT / MEFT / engine wrapping
+        # (liger: the Trainer applies Liger's fused linear cross-entropy: memfit.train.trainer)
         from memfit.train.loss import install_chunked_loss
 
         install_chunked_loss(model)

@@ -78,8 +78,25 @@ def training_arguments(run, output_dir: Path, has_eval: bool, engine: Any) -> Tr
         dataloader_pin_memory=torch.cuda.is_available(),
         **precision_flags(s.precision),
     )
+    kwargs.update(liger_kwargs(s))
     kwargs.update(engine.trainer_kwargs(run, Path(output_dir)))
     return TrainingArguments(**kwargs)
+
+
+def liger_kwargs(s) -> dict[str, Any]:
+    """``liger: true``: the Trainer applies Liger Kernel to the model (transformers 5.24 trainer.py
+    ``apply_liger_kernel(self.model, args.liger_kernel_config)`` → liger_kernel's ``_apply_liger_kernel_to_instance``):
+    RMSNorm, RoPE, the fused gate activation and the fused linear cross-entropy. Under the tiled MLP its SwiGLU
+    stays off: Liger would replace the MLP forward memfit tiles (memfit.train.longctx). A CUDA GPU and the
+    liger-kernel package (Triton) are needed; the plan's rules refuse it on the CPU."""
+    if not s.liger:
+        return {}
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise IncompatibleError("strategy.liger=true needs the liger-kernel package (Triton kernels for GPUs): "
+                                "pip install liger-kernel, or set liger: false")
+    return {"use_liger_kernel": True,
+            "liger_kernel_config": {"rope": True, "rms_norm": True, "swiglu": not s.tiled_mlp,
+                                    "cross_entropy": False, "fused_linear_cross_entropy": True}}
 
 
 def collator(run, tokenizer):

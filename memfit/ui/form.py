@@ -49,6 +49,7 @@ class Form:
     context_parallel: Any = 0            # torch context parallelism (--context-parallel N; 1: off)
     activation_offload: str = CHOICE     # none | checkpointed | all (--activation-offload)
     tiled_mlp: str = CHOICE              # off | on (--no-tiled-mlp / --tiled-mlp)
+    liger: str = "off"                   # off | on (--liger): Liger Kernel, not searched by the planner
 
 
 def whole(value: Any, name: str, low: int = 1) -> int:
@@ -154,6 +155,11 @@ def levers(form: Form) -> dict[str, Any]:
             raise ConfigError(f"{key.replace('_', ' ')} {value!r}: one of {', '.join(allowed)}")
         if value != CHOICE:
             fixed[key] = value == "on" if key == "tiled_mlp" else value
+    liger = form.liger or "off"
+    if liger not in ("off", "on"):
+        raise ConfigError(f"Liger Kernel {liger!r}: one of off, on")
+    if liger == "on":
+        fixed["liger"] = True
     return fixed
 
 
@@ -199,6 +205,6 @@ def command_line(form: Form, ref: str, emit_dir: str = "run-config/") -> Optiona
         args += ["--margin", repr(kw["margin"])]
     for key, value in kw["fixed"].items():  # the levers, as their flags
         flag = "--" + key.replace("_", "-")
-        args += [flag if value else "--no-tiled-mlp"] if isinstance(value, bool) else [flag, str(value)]
+        args += [flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)]
     args += ["--emit", emit_dir]
     return " ".join(shlex.quote(a) for a in args)

@@ -15,7 +15,7 @@ from memfit.ui.form import Form
 # the form's controls, in the order the page passes them
 FIELDS = ("source", "preset", "folder", "config_text", "config_file", "gpu", "count", "nodes", "custom_gb",
           "cpu_ram_gb", "seq_len", "micro_batch", "grad_accum", "methods", "margin", "sequence_parallel",
-          "context_parallel", "activation_offload", "tiled_mlp")
+          "context_parallel", "activation_offload", "tiled_mlp", "liger")
 
 
 def form_of(*values: Any) -> Form:

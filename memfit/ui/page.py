@@ -64,7 +64,8 @@ def _pool_inputs(gr: Any) -> list:
 
 def _lever_inputs(gr: Any) -> list:
     """The long-context levers (memfit plan's --sequence-parallel, --context-parallel, --activation-offload,
-    --tiled-mlp); left at the planner's choice, the planner tries them where nothing fits without them."""
+    --tiled-mlp); left at the planner's choice, the planner tries them where nothing fits without them. Liger Kernel
+    (--liger) is the user's to turn on."""
     from memfit.ui.form import CHOICE, OFFLOADS, TILED
 
     with gr.Accordion("long-context levers", open=False, elem_id="memfit-levers"):
@@ -77,7 +78,9 @@ def _lever_inputs(gr: Any) -> list:
             offload = gr.Dropdown(list(OFFLOADS), value=CHOICE, label="activation offload",
                                   elem_id="memfit-activation-offload")
             tiled = gr.Dropdown(list(TILED), value=CHOICE, label="tiled MLP", elem_id="memfit-tiled-mlp")
-    return [sp, cp, offload, tiled]
+            liger = gr.Dropdown(["off", "on"], value="off", label="Liger Kernel (GPUs; its fused loss)",
+                                elem_id="memfit-liger")
+    return [sp, cp, offload, tiled, liger]
 
 
 def _plan_outputs(gr: Any) -> list:

@@ -35,8 +35,17 @@ def test_every_phase_priced_and_the_verdict_holds_the_largest():
     assert d["gpu_bytes"]["total"] > 0 and "model_loading" in d["cpu_bytes"] and d["cpu_peak_phase"] == "loading"
     # evaluation at the training batch holds less than the step (no gradients, nothing saved for backward)
     assert gpus["eval"] < gpus["train_step"] and d["phase_settings"] == {
-        "eval": {"batch_size": 2, "loss_only": True, "accumulation_steps": None, "examples": None},
+        "eval": {"enabled": True, "batch_size": 2, "loss_only": True, "accumulation_steps": None, "examples": None},
         "save": {"mode": "adapter"}}
+
+
+def test_a_run_that_evaluates_nothing_has_no_evaluation_phase():
+    """eval.enabled: false (memfit train then drops its evaluation data): the phase is neither priced nor held."""
+    big = _phases(eval={"batch_size": 64})
+    off = estimate(L8, A100, LORA, phases=_phases(eval={"batch_size": 64, "enabled": False}))
+    assert not estimate(L8, A100, LORA, phases=big).fits and off.fits
+    assert set(off.to_dict()["memory"]["run_phases"]) == {"load", "train_step", "save"}
+    assert off.to_dict()["memory"]["phase_settings"]["eval"]["enabled"] is False
 
 
 def test_a_larger_evaluation_batch_sets_the_peak():

@@ -200,3 +200,34 @@ def test_ulysses_batches_and_refusals(texts, tmp_path):
     assert reasons(run) == []
     packed = run.model_copy(update={"data": run.data.model_copy(update={"packing": True})})
     assert reasons(packed)[0].startswith("sequence_parallel=2 with data.packing and attention=sdpa: Ulysses drops")
+
+
+def test_liger_is_refused_on_the_cpu_in_one_line(texts, tmp_path):
+    run = _run(texts, tmp_path / "liger", liger=True)
+    with pytest.raises(IncompatibleError) as err:
+        train(run)
+    line = str(err.value)
+    assert "\n" not in line and "liger=true: Liger Kernel's kernels are Triton kernels for GPUs; the CPU device " \
+        "cannot run them (estimate it for a GPU pool, or set liger=false)" in line, line
+    assert not (tmp_path / "liger").exists() or not any((tmp_path / "liger").iterdir())
+
+
+def test_liger_training_arguments_on_cuda(monkeypatch, texts, tmp_path):
+    """What train hands the Trainer for liger: true (its use_liger_kernel applies the kernels); Liger's SwiGLU off
+    under the tiled MLP, whose forward memfit patches; without the package, one line."""
+    import importlib.util
+
+    from memfit.train import trainer as T
+
+    run = _run(texts, tmp_path / "l", liger=True, tiled_mlp=True, zero_stage=1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel"
+                        else real(name, *a))
+    kw = T.liger_kwargs(run.strategy)
+    assert kw == {"use_liger_kernel": True, "liger_kernel_config": {
+        "rope": True, "rms_norm": True, "swiglu": False, "cross_entropy": False, "fused_linear_cross_entropy": True}}
+    assert run.strategy.loss == "chunked"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel"
+                        else real(name, *a))
+    with pytest.raises(IncompatibleError, match="^strategy.liger=true needs the liger-kernel package"):
+        T.liger_kwargs(run.strategy)

@@ -92,6 +92,9 @@ def test_the_levers_reach_the_command_and_the_rope_note_the_page(tmp_path):
     assert "trained length 131072" in out.text  # shown under Why
     assert "--context-parallel 4 --no-tiled-mlp" in handlers.plan_page(
         tmp_path, *values(**CASES["context parallel"]), files=False).command
+    liger = handlers.plan_page(tmp_path, *values(**CASES["long-context levers"], liger="on"), files=False)
+    assert "--tiled-mlp --liger --emit" in liger.command
+    assert liger.plan["recommended"]["strategy"]["liger"] is True
 
 
 def test_run_yaml_reads_back_with_memfits_loader(tmp_path):
