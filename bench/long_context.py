@@ -186,8 +186,9 @@ def below_floor(cases: list[Case]) -> tuple[list[Case], list[dict]]:
     model and pool is not stated. (cases kept, rows not stated)."""
     bad: dict = {}
     for c in cases:
-        if c.metric in MEMORY and c.published < states_floor(c):
-            bad.setdefault((c.source, c.model.name, c.hardware.describe()), (c, states_floor(c)))
+        floor = states_floor(c) if c.metric in MEMORY else 0.0
+        if c.published < floor:
+            bad.setdefault((c.source, c.model.name, c.hardware.describe()), (c, floor))
     kept, skipped = [], []
     for c in cases:
         hit = bad.get((c.source, c.model.name, c.hardware.describe())) if c.metric in MEMORY else None
