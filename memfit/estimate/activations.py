@@ -150,6 +150,8 @@ def backward_extra_bytes(model: ModelSpec, s: int, b: int, e: float, r: float, a
     gated = model.mlp in ("swiglu", "geglu")
     factor = 1.0 if (liger and gated and mlp_shards == 1) else (2.0 if gated else 1.0) + (0.0 if product_saved else 1.0)
     mlp = tokens * ((e_mlp or e) * width * factor / mlp_shards + adapter_grad)
+    if mlp_shards > 1:  # TiledMLP's backward fills the whole input's gradient shard by shard (x_grad = zeros_like(x))
+        mlp += tokens * (e_mlp or e) * model.hidden
     eager = 0.0
     if attention == "eager":
         per = 2.0 * e if model.family == "falcon" else 8.0 - (e if e != 4.0 else 0.0)

@@ -49,6 +49,9 @@ def test_tiled_mlp_keeps_one_shard_of_the_mlp_including_the_product():
     # (gate, act, up, product) instead: TiledMLP saves only its input
     assert _parts(True, shards)[1] == _parts(True)[1] - 1024 * 2 * F * 3 + 1024 * 2 * F * 4 / shards
     assert _parts(False, shards)[1] == _parts(False)[1] - 1024 * 2 * F * 4 * (1 - 1 / shards)
+    # its backward: one shard's gradients (act's and up's) + the whole input's gradient it fills shard by shard
+    # (ulysses_sp.py TiledMLP.backward: x_grad = torch.zeros_like(x)); SDPA, whose backward the MLP's outweighs
+    assert _parts(False, shards, "sdpa")[3] == 1024 * (2 * H + 2 * F * 2 / shards + 2 * H)
 
 
 def test_liger_chunked_logits_and_strategy():
