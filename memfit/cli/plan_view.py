@@ -133,7 +133,7 @@ def summary_table(d: dict, hardware: Any) -> Table:
     if s.get("method") == "meft":
         keys += ["meft_neurons", "meft_top_k"]
     keys += [k for k, off in (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
-                              ("tiled_mlp", False)) if s.get(k, off) != off]  # the long-context levers in use
+                              ("tiled_mlp", False), ("liger", False)) if s.get(k, off) != off]  # levers in use
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"
@@ -145,6 +145,9 @@ def summary_table(d: dict, hardware: Any) -> Table:
         if time.get("published_error"):
             from memfit.steptime.accuracy import describe_time
             t.add_row("time error", describe_time(time["published_error"]))
+    if d.get("long_context_error"):
+        from memfit.estimate.accuracy import describe_long_context
+        t.add_row("long context", describe_long_context(d["long_context_error"]))
     floors = d.get("floors") or {}
     if floors:
         t.add_row("floors", f"memory {_gb(floors.get('memory_bytes'))} GB per GPU (frozen weights at their "

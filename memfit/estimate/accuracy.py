@@ -15,6 +15,10 @@ from memfit.io import read_json_or_empty
 from memfit.steptime.accuracy import basis_text, noise_text, readings_text
 
 DATA = Path(__file__).resolve().parent / "published_accuracy.json"
+LONG_CONTEXT = Path(__file__).resolve().parent / "long_context_accuracy.json"  # bench/long_context.py --json
+# the strategy keys that make an estimate a long-context one, at their off values
+LONG_CONTEXT_LEVERS = (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
+                       ("tiled_mlp", False), ("liger", False))
 
 
 def run_kind(method: str, zero_stage: int, fsdp, offload: str, world: int) -> str:
@@ -49,6 +53,29 @@ def published_error(kind: str) -> Optional[dict]:
     return {"kind": kind, **hit, "procedure": data.get("procedure"), "noise_floor": data.get("noise_floor"),
             "held_out_readings": data.get("held_out_readings", []), "date": data.get("date"),
             "basis_rows": data.get("rows"), "source": "bench/gpu_published.py", "command": data.get("command")}
+
+
+@lru_cache(maxsize=1)
+def _long_context() -> dict:
+    return read_json_or_empty(LONG_CONTEXT)
+
+
+def long_context_error(strategy) -> Optional[dict]:
+    """The published long-context runs' figures (bench/long_context.py) for an estimate that pulls a
+    long-context lever (None otherwise): what memfit's levers were checked against, and how closely."""
+    if all(getattr(strategy, key, off) == off for key, off in LONG_CONTEXT_LEVERS):
+        return None
+    return _long_context() or None
+
+
+def describe_long_context(err: dict) -> str:
+    """One line: the long-context figures, their basis and the command that prints them."""
+    mem, longest, step = err.get("memory") or {}, err.get("longest") or {}, err.get("s_per_step") or {}
+    basis = err.get("basis") or {}
+    return (f"published long-context runs ({basis.get('memory', '?')}): memory median |e| "
+            f"{mem.get('median_abs_pct')} % over {mem.get('compared')} figures, longest fitting length "
+            f"{longest.get('median_abs_pct')} % over {longest.get('compared')}, s/step {step.get('median_abs_pct')} % "
+            f"over {step.get('compared')} (`{err.get('command')}`; docs/long-context.md)")
 
 
 def describe(err: Optional[dict]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from memfit.estimate.accuracy import published_error, run_kind
+from memfit.estimate.accuracy import long_context_error, published_error, run_kind
 from memfit.steptime.speeds import GPU_PARTS
 from memfit.steptime.accuracy import published_time_error
 
@@ -119,6 +119,7 @@ class Estimate:
                      "published_error": published_time_error(run_kind(
                          self.strategy.method, self.strategy.zero_stage, self.strategy.fsdp, self.strategy.offload,
                          hw.world_size)) if self.time.get("basis") == GPU_PARTS else None},
+            "long_context_error": long_context_error(self.strategy),
             "traffic": {k: int(round(v)) for k, v in self.traffic.items()},
             "floors": {"memory_bytes": int(round(self.floor_memory)), "step_seconds": self.floor_seconds},
             "fits": self.fits,

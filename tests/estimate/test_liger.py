@@ -76,3 +76,25 @@ def test_liger_rules():
         "liger=true: Liger Kernel 0.8.5 patches no 'falcon' model (llama, mistral, mixtral, qwen2, qwen3, gemma, "
         "phi3, granite, ...); set liger=false"]
     assert check(M, parse_hardware("H100-80GB"), s) == []
+
+
+def test_a_long_context_estimate_names_the_long_context_runs_it_was_checked_against(capsys):
+    """An estimate that pulls a long-context lever carries bench/long_context.py's figures (development), beside
+    the short-context error bar of its kind; one without a lever carries none."""
+    import json as _json
+
+    from memfit.estimate.accuracy import LONG_CONTEXT
+    from tests.cli_helper import run_cli
+
+    shipped = _json.loads(LONG_CONTEXT.read_text())
+    hw = parse_hardware("8xH100-80GB")
+    plain = Strategy(method="full", zero_stage=3, gradient_checkpointing=True, seq_len=4096)
+    assert estimate(M, hw, plain).to_dict()["long_context_error"] is None
+    lc = estimate(M, hw, plain.model_copy(update={"sequence_parallel": 8})).to_dict()["long_context_error"]
+    assert lc == shipped and lc["basis"] == {"memory": "development", "time": "development"}
+    code, out, _ = run_cli(capsys, "estimate", "--model", "llama-3.1-8b", "--gpus", "8xH100-80GB", "--method",
+                           "full", "--zero", "3", "--gradient-checkpointing", "--seq-len", "65536", "--liger")
+    flat = " ".join(out.split())
+    mem = shipped["memory"]
+    assert code == 0 and (f"long context published long-context runs (development): memory median |e| "
+                          f"{mem['median_abs_pct']} % over {mem['compared']} figures") in flat
