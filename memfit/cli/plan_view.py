@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memfit.cli.output import console, err_console, print_json  # noqa: F401  (print_json re-exported)
+from memfit.spec.strategy import LONG_CONTEXT_LEVERS
 from memfit.steptime import STEP_PARTS
 
 def _gb(n: Optional[float]) -> str:
@@ -132,8 +133,7 @@ def summary_table(d: dict, hardware: Any) -> Table:
         keys += ["quant_storage"]
     if s.get("method") == "meft":
         keys += ["meft_neurons", "meft_top_k"]
-    keys += [k for k, off in (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
-                              ("tiled_mlp", False), ("liger", False)) if s.get(k, off) != off]  # levers in use
+    keys += [k for k, off in LONG_CONTEXT_LEVERS if s.get(k, off) != off]  # the long-context levers in use
     t.add_row("strategy", "  ".join(f"{k}={_show(s.get(k))}" for k in keys if k in s))
     if "step_seconds" in time:
         parts = [f"{time[k]:.3g} s {k.removesuffix('_seconds').replace('_', ' ')}"

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 from memfit.io import read_json_or_empty
+from memfit.spec.strategy import LONG_CONTEXT_LEVERS
 from memfit.steptime.accuracy import basis_text, noise_text, readings_text
 
 DATA = Path(__file__).resolve().parent / "published_accuracy.json"
 LONG_CONTEXT = Path(__file__).resolve().parent / "long_context_accuracy.json"  # bench/long_context.py --json
-# the strategy keys that make an estimate a long-context one, at their off values
-LONG_CONTEXT_LEVERS = (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
-                       ("tiled_mlp", False), ("liger", False))
 
 
 def run_kind(method: str, zero_stage: int, fsdp, offload: str, world: int) -> str:

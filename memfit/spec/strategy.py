@@ -52,7 +52,11 @@ def liger_chunk_tokens(vocab: int, hidden: int, tokens: int) -> int:
     return max(1, min(int(tokens), 1 << (per - 1).bit_length()))
 
 
-__all__ = ["DEFAULT_LORA_TARGETS", "QuantStorage", "Strategy"]
+# the long-context levers (docs/long-context.md), each with its off value
+LONG_CONTEXT_LEVERS = (("sequence_parallel", 1), ("context_parallel", 1), ("activation_offload", "none"),
+                       ("tiled_mlp", False), ("liger", False))
+
+__all__ = ["DEFAULT_LORA_TARGETS", "LONG_CONTEXT_LEVERS", "QuantStorage", "Strategy"]
 
 
 class Levers(BaseModel):
