@@ -168,26 +168,32 @@ def run_phases(run, x: PhaseInputs, phases: RunPhases, weights_all: float,
         p = run.profile
         load_proc = p.process_baseline_load_cpu + (p.process_peft_import_cpu if run.method.fp32_adapters else 0.0)
         load_cpu = run.hardware.gpus_per_node * load_proc + max(x.loading, x.steady + x.unpinned)
-        out = {"load": (_resident_at_load(run, x, trainable), load_cpu), "train_step": (x.train_gpu, train_cpu),
-               "eval": (eval_gpu(run, at_rest, phases), train_cpu),
-               "save": (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
-                        + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
-                        train_cpu)}
-        if not phases.eval.enabled:
-            del out["eval"]
-        return out
+        return _in_order(phases, (_resident_at_load(run, x, trainable), load_cpu), (x.train_gpu, train_cpu),
+                         lambda: (eval_gpu(run, at_rest, phases), train_cpu),
+                         (save_gpu(run, at_rest, mode, unit_bytes(run, weights_all))
+                          + save_cpu(run, x, mode, weights_all, trainable, rank0=True) - x.baseline - x.steady,
+                          train_cpu))
     load_gpu = max(x.gpu_loading, x.weights) + x.fixed
-    eval_cpu = train_cpu
-    if not phases.eval.loss_only:  # get_arrays: every rank holds all of the logits as fp32 numpy at the end
-        kept_batches(run, phases)  # the example count is given
-        eval_cpu += run.hardware.gpus_per_node * phases.eval.examples * run.strategy.seq_len \
-            * run.model.vocab * 4.0
-    out = {"load": (load_gpu, load_cpu), "train_step": (x.train_gpu, train_cpu),
-           "eval": (eval_gpu(run, x, phases), eval_cpu),
-           "save": (save_gpu(run, x, mode, unit_bytes(run, weights_all)),
-                    save_cpu(run, x, mode, weights_all, trainable))}
-    if not phases.eval.enabled:
-        del out["eval"]
+
+    def evaluation() -> tuple[float, float]:
+        eval_cpu = train_cpu
+        if not phases.eval.loss_only:  # get_arrays: every rank holds all of the logits as fp32 numpy at the end
+            kept_batches(run, phases)  # the example count is given
+            eval_cpu += run.hardware.gpus_per_node * phases.eval.examples * run.strategy.seq_len \
+                * run.model.vocab * 4.0
+        return eval_gpu(run, x, phases), eval_cpu
+
+    return _in_order(phases, (load_gpu, load_cpu), (x.train_gpu, train_cpu), evaluation,
+                     (save_gpu(run, x, mode, unit_bytes(run, weights_all)),
+                      save_cpu(run, x, mode, weights_all, trainable)))
+
+
+def _in_order(phases: RunPhases, load, step, evaluation, save) -> dict[str, tuple[float, float]]:
+    """The phases in their order; evaluation priced only where the run evaluates (``eval.enabled``)."""
+    out = {"load": load, "train_step": step}
+    if phases.eval.enabled:
+        out["eval"] = evaluation()
+    out["save"] = save
     return out
 
 
