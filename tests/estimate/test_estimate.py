@@ -85,13 +85,20 @@ def test_tokens_per_second_definition():
 
 def test_speed_per_call():
     import time
+
+    from tests.conftest import own_heap
+
     hw = parse_hardware("8xV100-32GB")
     st = Strategy(method="lora", zero_stage=3, gradient_checkpointing=True, offload="optimizer")
     estimate(L7, hw, st)
-    t = time.process_time()  # CPU time of this process: what the estimator costs, whatever else runs
-    for _ in range(2000):
-        estimate(L7, hw, st)
-    per_call = (time.process_time() - t) / 2000
+    runs = []
+    with own_heap():  # not the garbage collector's scans of what earlier tests left alive
+        for _ in range(3):  # the best of three: this VM's clock drifts by ~10 % from one second to the next
+            t = time.process_time()  # CPU time of this process: what the estimator costs, whatever else runs
+            for _ in range(2000):
+                estimate(L7, hw, st)
+            runs.append((time.process_time() - t) / 2000)
+    per_call = min(runs)
     # 67 µs on the 2-core reference machine at 209f3d0 (before the op list, issue 37), 54 µs after: the bound is
     # that figure + 20 %, so the cost model may not grow slower than it was
     assert per_call < 80e-6

@@ -8,13 +8,16 @@ from memfit.plan.longctx import variants
 from memfit.spec.hardware import parse_hardware
 from memfit.spec.model import resolve_model
 from memfit.spec.strategy import Strategy
+from tests.conftest import own_heap
 
 
 def _timed(model: str, gpus: str, seq_len: int):
+    """The plan's CPU time, as a fresh `memfit plan` process spends it (tests/conftest.py own_heap)."""
     m, hw = resolve_model(model), parse_hardware(gpus)
-    t = time.process_time()
-    p = plan(m, hw, seq_len=seq_len, micro_batch_size=1)
-    return p, time.process_time() - t
+    with own_heap():
+        t = time.process_time()
+        p = plan(m, hw, seq_len=seq_len, micro_batch_size=1)
+        return p, time.process_time() - t
 
 
 def test_llama_8b_at_512k_on_8_h100_plans_with_sequence_parallelism():
